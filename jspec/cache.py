@@ -1,0 +1,78 @@
+"""The KV cache: an explicit pytree with one length per row.
+
+Layout (per layer): `k, v: [B*K, T, Dh]`, batch-major then kv-head. One flat leading axis is what the
+attention matmul consumes directly. A `[B, T, K, Dh]` or `[B, K, T, Dh]` buffer needs a reshape before the
+matmul, and XLA on the CPU fuses that reshape with the in-loop update and then copies the whole buffer
+every step (see tests/test_hlo.py). Each layer has its own buffer for the same reason: a slice of a stacked
+`[N, ...]` buffer is another copy.
+
+Row b holds its tokens in slots `[0, lengths[b])`. Writing S new tokens puts them at `lengths[b]`;
+anything past a row's length is stale and masked out, so rollback is only a smaller `lengths`.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jspec.config import ModelConfig
+
+# Attention reads the cache in blocks of this many slots, and only the blocks in use (see attention.py),
+# so the cost of a step follows the tokens held, not the capacity. Capacities are multiples of it.
+BLOCK_SIZE = 128
+
+
+@flax.struct.dataclass
+class KVCache:
+  k: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
+  v: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
+  lengths: jax.Array  # [B] int32: slots in use in each row
+
+  @property
+  def batch(self) -> int:
+    return self.lengths.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.k[0].shape[1]
+
+  def rewind(self, lengths_B: jax.Array) -> "KVCache":
+    """Rolls each row back (or forward over slots already written) to `lengths_B`. Nothing is copied."""
+    return self.replace(lengths=lengths_B.astype(jnp.int32))
+
+
+def round_capacity(tokens: int) -> int:
+  """The capacity bucket that holds `tokens`: a multiple of BLOCK_SIZE, so few shapes get compiled."""
+  blocks = -(-tokens // BLOCK_SIZE)
+  return BLOCK_SIZE * (1 << max(blocks - 1, 0).bit_length())
+
+
+def init_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
+  if capacity % BLOCK_SIZE:
+    raise ValueError(f"cache capacity {capacity} is not a multiple of {BLOCK_SIZE}")
+  shape = (batch * config.n_kv_heads, capacity, config.head_dim)
+  zeros = lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers))
+  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+# Up to this many rows, each row gets its own in-place dynamic_update_slice (a vmapped one becomes a select
+# over the whole buffer). Larger batches use one scatter, so the program does not grow with the batch.
+MAX_UNROLLED_ROWS = 16
+
+
+def write(buf: jax.Array, new_BxSxKxDh: jax.Array, lengths_B: jax.Array) -> jax.Array:
+  """Writes row b's S new entries at slots `[lengths[b], lengths[b] + S)` of one layer's buffer.
+
+  Callers guarantee `lengths + S <= T` (checked before tracing): a dynamic_update_slice would clamp and
+  overwrite the last slots, and the scatter drops what falls outside.
+  """
+  batch, seq, kv_heads, _ = new_BxSxKxDh.shape
+  new_BxKxSxDh = new_BxSxKxDh.transpose(0, 2, 1, 3).astype(buf.dtype)
+  if batch <= MAX_UNROLLED_ROWS:
+    for b in range(batch):
+      buf = lax.dynamic_update_slice(buf, new_BxKxSxDh[b], (b * kv_heads, lengths_B[b], 0))
+    return buf
+  rows_BxKx1 = (jnp.arange(batch)[:, None] * kv_heads + jnp.arange(kv_heads))[:, :, None]
+  slots_Bx1xS = (lengths_B[:, None] + jnp.arange(seq))[:, None, :]
+  return buf.at[rows_BxKx1, slots_Bx1xS].set(new_BxKxSxDh, mode="drop")

@@ -1,0 +1,56 @@
+"""jspec checkpoint directories: `config.json`, orbax `params/`, and `tokenizer.json`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from tokenizers import Tokenizer
+
+from jspec import model
+from jspec.config import ModelConfig
+from jspec.tokenizer import load_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  config: ModelConfig
+  params: model.Params
+  tokenizer: Tokenizer
+
+
+def _one_line(e: Exception) -> str:
+  return " ".join(str(e).split())[:300]
+
+
+def save(m: Model, path: str | pathlib.Path) -> None:
+  path = pathlib.Path(path).absolute()
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(m.config.to_json())
+  m.tokenizer.save(str(path / "tokenizer.json"))
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path / "params", m.params, force=True)
+
+
+def load(path: str | pathlib.Path) -> Model:
+  """Loads a jspec checkpoint directory. Every problem is a one-line ValueError."""
+  path = pathlib.Path(path).absolute()
+  if not path.is_dir():
+    raise ValueError(f"{path}: no such checkpoint directory")
+  try:
+    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+  except FileNotFoundError:
+    raise ValueError(f"{path}: no config.json") from None
+  except (json.JSONDecodeError, TypeError, ValueError) as e:
+    raise ValueError(f"{path}/config.json: invalid model config ({_one_line(e)})") from None
+  tokenizer = load_tokenizer(path)
+  abstract = jax.eval_shape(lambda: model.init_params(config, jax.random.PRNGKey(0)))
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      params = ckptr.restore(path / "params", abstract)
+  except Exception as e:  # orbax raises many types for missing or corrupt files
+    raise ValueError(f"{path}: cannot restore parameters ({_one_line(e)})") from None
+  return Model(config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer)

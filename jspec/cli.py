@@ -1,0 +1,106 @@
+"""`python -m jspec.generate`: parse, call the library, print. User errors: one line on stderr, exit 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+DEFAULT_TARGET = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "code-target"
+DEFAULT_DRAFT = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "code-draft"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m jspec.generate",
+                              description="Speculative decoding: a draft proposes, the target verifies, "
+                                          "and the output is exactly the target's.")
+  p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir (default: shipped)")
+  p.add_argument("--draft", default=None, help="draft checkpoint dir (default: the shipped draft when the "
+                                               "target is the shipped one)")
+  p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+  p.add_argument("--prompt-file", help="one prompt per line, or JSONL with a \"prompt\" field")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0, help="0 = off")
+  p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  p.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (K)")
+  p.add_argument("--seed", type=int, default=0, help="row b samples with seed + b")
+  p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+  p.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  return p.parse_args(argv)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+  prompts = list(args.prompt)
+  if args.prompt_file:
+    try:
+      lines = pathlib.Path(args.prompt_file).read_text().splitlines()
+    except OSError as e:
+      raise ValueError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
+    for i, line in enumerate(lines):
+      if line.lstrip().startswith("{"):
+        try:
+          prompts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+          raise ValueError(f"{args.prompt_file}:{i + 1}: not a JSON object with a \"prompt\" field") from None
+      elif line.strip():
+        prompts.append(line.replace("\\n", "\n"))
+  if not prompts:
+    raise ValueError("no prompt given: use --prompt TEXT or --prompt-file FILE")
+  return prompts
+
+
+def run(args: argparse.Namespace) -> dict:
+  import jspec  # after argument parsing, so --help is instant
+
+  prompts = read_prompts(args)
+  target = jspec.load(args.target)
+  draft = None
+  if not args.no_draft:
+    if args.draft is not None:
+      draft = jspec.load(args.draft)
+    elif pathlib.Path(args.target).resolve() == DEFAULT_TARGET and DEFAULT_DRAFT.is_dir():
+      draft = jspec.load(DEFAULT_DRAFT)
+  opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed)
+  result = jspec.generate(target, prompts, draft=draft, draft_len=args.draft_len, **opts)
+  out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
+                     for p, t, ids in zip(prompts, result.texts, result.token_ids)],
+         "stats": result.stats, "baseline": None, "speedup": None}
+  if args.baseline:
+    base = jspec.generate(target, prompts, **opts)
+    out["baseline"] = {"tokens_per_second": base.stats["tokens_per_second"],
+                       "wall_seconds": base.stats["wall_seconds"],
+                       "token_ids_match": base.token_ids == result.token_ids}
+    out["speedup"] = base.stats["wall_seconds"] / result.stats["wall_seconds"]
+  return out
+
+
+def print_human(out: dict) -> None:
+  for o in out["outputs"]:
+    print(o["prompt"] + o["text"])
+    print("-" * 40)
+  s = out["stats"]
+  line = f"{s['emitted_tokens']} tokens in {s['wall_seconds']:.3f}s ({s['tokens_per_second']:.1f} tok/s, " \
+         f"compile {s['compile_seconds']:.1f}s)"
+  if s["acceptance_rate"] is not None:
+    line += f"; acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_length']:.2f} tokens/target forward"
+  if out["speedup"] is not None:
+    line += f"; {out['speedup']:.2f}x over plain decoding" + \
+            ("" if out["baseline"]["token_ids_match"] else " (tokens differ from plain decoding)")
+  print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  try:
+    out = run(args)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(out))
+  else:
+    print_human(out)
+  return 0

@@ -1,0 +1,226 @@
+"""The decode loops: autoregressive (the baseline) and speculative, each ONE `lax.while_loop`.
+
+Invariants at the top of every iteration, for each row b with `n = seq_lens[b]` tokens (prompt + emitted):
+- the target cache holds tokens `[0, n-1)`; token n-1 is fed by the next target forward;
+- the draft cache holds `[0, d)` with d = n-1, or d = n-2 after a round that accepted every draft (the
+  draft never saw its own last proposal). The next round's first draft step feeds the two tokens at
+  `[d, d+2)` and reads the logits at slot n-1, which catches up in both cases with one fixed shape.
+Done rows still ride along in the batched forwards, but their lengths no longer move, so they write only
+into slots they already own.
+"""
+from __future__ import annotations
+
+import collections
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jspec import cache as kvcache
+from jspec import model
+from jspec.config import ModelConfig
+from jspec.sampling import SamplingParams, probabilities, sample
+from jspec.verify import verify
+
+# How many times each loop was traced; tests assert this does not grow across requests of one bucket.
+trace_counts: collections.Counter = collections.Counter()
+
+EWMA_WEIGHT = 0.1  # weight of the newest round in the acceptance EWMA, as in the seed's scheduler
+
+
+@flax.struct.dataclass
+class DecodeStats:
+  """Counters over active rows. A "round" is one row taking part in one target forward."""
+  rounds: jax.Array
+  target_forwards: jax.Array  # batched target forwards in the loop (prefill not counted)
+  draft_forwards: jax.Array  # batched draft forwards in the loop
+  drafted: jax.Array
+  accepted: jax.Array
+  accepted_at: jax.Array  # [G]: rounds whose draft token at position i was accepted
+  emitted: jax.Array
+  acceptance_ewma: jax.Array  # [B]
+
+  @classmethod
+  def zeros(cls, batch: int, draft_len: int) -> "DecodeStats":
+    z = jnp.zeros((), jnp.int32)
+    return cls(rounds=z, target_forwards=z, draft_forwards=z, drafted=z, accepted=z,
+               accepted_at=jnp.zeros((draft_len,), jnp.int32), emitted=z,
+               acceptance_ewma=jnp.ones((batch,), jnp.float32))
+
+
+@flax.struct.dataclass
+class DecodeState:
+  tokens: jax.Array  # [B, L] int32: prompt then emitted tokens; slots past seq_lens are stale
+  seq_lens: jax.Array  # [B] int32
+  prompt_lens: jax.Array  # [B] int32
+  max_new_tokens: jax.Array  # [B] int32
+  done: jax.Array  # [B] bool
+  keys: jax.Array  # [B, 2] uint32: one PRNG key per row
+  sampling: SamplingParams
+  target_cache: kvcache.KVCache
+  draft_cache: kvcache.KVCache | None
+  stats: DecodeStats
+  eos_id: jax.Array  # [] int32; -1 when the model has none
+
+  @property
+  def num_emitted(self) -> jax.Array:
+    return self.seq_lens - self.prompt_lens
+
+
+def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array,
+               sampling: SamplingParams, seeds_B: jax.Array, capacity: int, target_config: ModelConfig,
+               draft_config: ModelConfig | None = None, draft_len: int = 0) -> DecodeState:
+  """A state holding right-padded prompts and empty caches of `capacity` slots (see `required_capacity`)."""
+  batch, prompt_width = prompts_BxP.shape
+  tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(prompts_BxP)
+  eos = target_config.eos_id
+  return DecodeState(
+      tokens=tokens, seq_lens=prompt_lens_B.astype(jnp.int32), prompt_lens=prompt_lens_B.astype(jnp.int32),
+      max_new_tokens=max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
+      keys=jax.vmap(jax.random.PRNGKey)(seeds_B.astype(jnp.uint32)), sampling=sampling,
+      target_cache=kvcache.init_cache(target_config, batch, capacity),
+      draft_cache=None if draft_config is None else kvcache.init_cache(draft_config, batch, capacity),
+      stats=DecodeStats.zeros(batch, max(draft_len, 1)),
+      eos_id=jnp.asarray(-1 if eos is None else eos, jnp.int32))
+
+
+def required_capacity(prompt_width: int, max_new_tokens: int, draft_len: int) -> int:
+  """Slots a request needs: the padded prompt, every new token, and one verify chunk of headroom."""
+  return prompt_width + max_new_tokens + draft_len + 1
+
+
+def prefill(params: model.Params, config: ModelConfig, cache: kvcache.KVCache, prompts_BxP: jax.Array,
+            prompt_lens_B: jax.Array) -> kvcache.KVCache:
+  """Runs the right-padded prompts through one model, batched, and keeps each row's first `len - 1` tokens.
+
+  The last prompt token stays pending: the loop's first forward feeds it, so every round looks alike.
+  """
+  batch, width = prompts_BxP.shape
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  _, _, cache = model.forward(params, prompts_BxP, positions, cache.rewind(jnp.zeros_like(cache.lengths)),
+                              config)
+  return cache.rewind(prompt_lens_B - 1)
+
+
+def _split_keys(state: DecodeState, num: int) -> tuple[DecodeState, jax.Array]:
+  """Advances each row's key; returns `num` fresh keys per row as [num, B, 2]."""
+  keys = jax.vmap(lambda k: jax.random.split(k, num + 1))(state.keys)  # [B, num+1, 2]
+  return state.replace(keys=keys[:, 0]), jnp.moveaxis(keys[:, 1:], 1, 0)
+
+
+def _gather(tokens_BxL: jax.Array, index_BxC: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(tokens_BxL, index_BxC, axis=1)
+
+
+def _commit(state: DecodeState, candidates_BxC: jax.Array, num_candidates_B: jax.Array) -> tuple[DecodeState, jax.Array]:
+  """Appends each active row's first `num_candidates` tokens, cut after EOS and at max_new_tokens.
+
+  Returns the new state and the number of tokens each row emitted.
+  """
+  width = candidates_BxC.shape[1]
+  idx_C = jnp.arange(width)
+  is_eos = (candidates_BxC == state.eos_id) & (idx_C < num_candidates_B[:, None])
+  upto_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, width)
+  room = state.max_new_tokens - state.num_emitted
+  num_new = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(num_candidates_B, upto_eos), room))
+  cols = jnp.where(idx_C < num_new[:, None], state.seq_lens[:, None] + idx_C, state.tokens.shape[1])
+  rows = jnp.broadcast_to(jnp.arange(candidates_BxC.shape[0])[:, None], cols.shape)
+  tokens = state.tokens.at[rows, cols].set(candidates_BxC, mode="drop")
+  hit_eos = is_eos.any(1) & (upto_eos <= num_new)
+  done = state.done | hit_eos | (num_new >= room)
+  return state.replace(tokens=tokens, seq_lens=state.seq_lens + num_new, done=done), num_new
+
+
+def _autoregressive_step(params: model.Params, config: ModelConfig, state: DecodeState) -> DecodeState:
+  state, keys = _split_keys(state, 1)
+  last = _gather(state.tokens, state.seq_lens[:, None] - 1)
+  logits, _, cache = model.forward(params, last, state.seq_lens[:, None] - 1, state.target_cache, config)
+  token = sample(keys[0], probabilities(logits, state.sampling)[:, 0])
+  active = ~state.done
+  state, num_new = _commit(state.replace(target_cache=cache), token[:, None], jnp.ones_like(token))
+  st = state.stats
+  stats = st.replace(rounds=st.rounds + active.sum(), target_forwards=st.target_forwards + 1,
+                     emitted=st.emitted + num_new.sum())
+  return state.replace(target_cache=cache.rewind(state.seq_lens - 1), stats=stats)
+
+
+def _draft(params: model.Params, config: ModelConfig, state: DecodeState, keys_GxBx2: jax.Array,
+           draft_len: int) -> tuple[kvcache.KVCache, jax.Array, jax.Array]:
+  """Proposes `draft_len` tokens per row with the draft model. Returns (cache, tokens [B,G], q [B,G,V])."""
+  n = state.seq_lens
+  cache = state.draft_cache
+  d = cache.lengths  # n-1, or n-2 after a fully accepted round
+  two = d[:, None] + jnp.arange(2)
+  logits, _, cache = model.forward(params, _gather(state.tokens, two), two, cache, config)
+  logits_Bx1xV = jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)
+  cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
+
+  def step(carry, key_Bx2):
+    cache, logits_Bx1xV = carry
+    q_BxV = probabilities(logits_Bx1xV, state.sampling)[:, 0]
+    token = sample(key_Bx2, q_BxV)
+    return token, q_BxV, cache
+
+  def body(carry, key_Bx2):
+    token, q_BxV, cache = step(carry, key_Bx2)
+    logits, _, cache = model.forward(params, token[:, None], cache.lengths[:, None], cache, config)
+    return (cache, logits), (token, q_BxV)
+
+  (cache, logits_Bx1xV), (tokens_GxB, q_GxBxV) = lax.scan(body, (cache, logits_Bx1xV), keys_GxBx2[:-1])
+  token, q_BxV, cache = step((cache, logits_Bx1xV), keys_GxBx2[-1])
+  tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
+  q_BxGxV = jnp.concatenate([jnp.moveaxis(q_GxBxV, 0, 1), q_BxV[:, None]], axis=1)
+  return cache, tokens_BxG, q_BxGxV
+
+
+def _speculative_step(target_params: model.Params, draft_params: model.Params, target_config: ModelConfig,
+                      draft_config: ModelConfig, draft_len: int, state: DecodeState) -> DecodeState:
+  state, keys = _split_keys(state, draft_len + 1)
+  n = state.seq_lens
+  draft_cache, draft_BxG, q_BxGxV = _draft(draft_params, draft_config, state, keys[:draft_len], draft_len)
+
+  chunk = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), draft_BxG], axis=1)
+  positions = n[:, None] - 1 + jnp.arange(draft_len + 1)
+  logits, _, target_cache = model.forward(target_params, chunk, positions, state.target_cache, target_config)
+  p_BxG1xV = probabilities(logits, state.sampling)
+  n_accepted, next_token = verify(keys[draft_len], draft_BxG, q_BxGxV, p_BxG1xV)
+
+  candidates = jnp.concatenate([draft_BxG, next_token[:, None]], axis=1)
+  candidates = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], next_token[:, None], candidates)
+  active = ~state.done
+  state, num_new = _commit(state, candidates, n_accepted + 1)
+  new_n = state.seq_lens
+
+  st = state.stats
+  acc = jnp.where(active, n_accepted, 0)
+  rate = n_accepted / draft_len
+  stats = st.replace(
+      rounds=st.rounds + active.sum(), target_forwards=st.target_forwards + 1,
+      draft_forwards=st.draft_forwards + draft_len, drafted=st.drafted + draft_len * active.sum(),
+      accepted=st.accepted + acc.sum(),
+      accepted_at=st.accepted_at + jnp.sum(active[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0),
+      emitted=st.emitted + num_new.sum(),
+      acceptance_ewma=jnp.where(active, (1 - EWMA_WEIGHT) * st.acceptance_ewma + EWMA_WEIGHT * rate,
+                                st.acceptance_ewma))
+  return state.replace(target_cache=target_cache.rewind(new_n - 1),
+                       draft_cache=draft_cache.rewind(jnp.minimum(new_n - 1, n + draft_len - 1)), stats=stats)
+
+
+def _loop(step, state: DecodeState) -> DecodeState:
+  return lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+
+def autoregressive(params: model.Params, config: ModelConfig, state: DecodeState) -> DecodeState:
+  """Plain decoding until every row is done: one target forward per token. Pure; jit it yourself or use
+  `jspec.api`."""
+  trace_counts["autoregressive"] += 1
+  return _loop(lambda s: _autoregressive_step(params, config, s), state)
+
+
+def speculative(target_params: model.Params, draft_params: model.Params, target_config: ModelConfig,
+                draft_config: ModelConfig, draft_len: int, state: DecodeState) -> DecodeState:
+  """Speculative decoding with a draft model until every row is done. Pure, like `autoregressive`."""
+  trace_counts["speculative"] += 1
+  return _loop(lambda s: _speculative_step(target_params, draft_params, target_config, draft_config,
+                                           draft_len, s), state)

@@ -1,0 +1,65 @@
+"""Jitted entry points (prefill + loop in one executable) and a compile cache keyed by shapes.
+
+Executables are compiled ahead of time once per (configs, draft length, batch, prompt bucket, capacity),
+so requests that differ only in prompt text, seeds or sampling values reuse them, and compile time can be
+reported apart from decode time.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jspec import decode, model
+from jspec.config import ModelConfig
+from jspec.sampling import SamplingParams
+
+
+@functools.partial(jax.jit, static_argnames=("target_config", "draft_config", "draft_len", "capacity"))
+def run(target_params: model.Params, draft_params: model.Params | None, prompts_BxP: jax.Array,
+        prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array,
+        *, target_config: ModelConfig, draft_config: ModelConfig | None, draft_len: int,
+        capacity: int) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
+  """Prefills and decodes a batch; autoregressive when `draft_params` is None.
+
+  Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
+  """
+  state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
+                            target_config, draft_config, draft_len)
+  state = state.replace(target_cache=decode.prefill(target_params, target_config, state.target_cache,
+                                                    prompts_BxP, prompt_lens_B))
+  if draft_params is None:
+    state = decode.autoregressive(target_params, target_config, state)
+  else:
+    state = state.replace(draft_cache=decode.prefill(draft_params, draft_config, state.draft_cache,
+                                                     prompts_BxP, prompt_lens_B))
+    state = decode.speculative(target_params, draft_params, target_config, draft_config, draft_len, state)
+  return state.tokens, state.seq_lens, state.stats
+
+
+_compiled: dict[Any, Any] = {}
+
+
+def compiled_run(args: tuple, static: dict) -> tuple[Any, float]:
+  """The executable for these argument shapes, and the seconds spent compiling it now (0 if cached)."""
+  key = (tuple(sorted(static.items())),
+         jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+  if key in _compiled:
+    return _compiled[key], 0.0
+  start = time.perf_counter()
+  _compiled[key] = run.lower(*args, **static).compile()
+  return _compiled[key], time.perf_counter() - start
+
+
+def prompt_bucket(length: int) -> int:
+  """Padded prompt width: a power of two, at least 16, so nearby prompt lengths share an executable."""
+  return max(16, 1 << (length - 1).bit_length())
+
+
+def as_sampling(temperature, top_k, top_p, batch: int) -> SamplingParams:
+  full = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
+  return SamplingParams(temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32),
+                        top_p=full(top_p, jnp.float32))

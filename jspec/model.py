@@ -1,0 +1,116 @@
+"""The Llama-family transformer as pure functions of a parameter pytree.
+
+Shape legend: B batch, S new tokens, T cache capacity, N layers, D model width, H query heads, K kv heads,
+Dh head dim, F MLP width, V vocab.
+
+Parameters are a plain dict: `embed [V,D]`, `final_norm [D]`, optional `lm_head [D,V]`, and `layers`, a list
+of N dicts (`attn_norm, wq [D,H*Dh], wk, wv [D,K*Dh], (bq, bk, bv), wo [H*Dh,D], mlp_norm, w_gate, w_up
+[D,F], w_down [F,D]`). A list rather than stacked arrays keeps each layer's weights and cache their own
+buffers inside the decode loop.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jspec import attention, cache as kvcache
+from jspec.config import ModelConfig
+
+Params = dict
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+  """Random parameters (scaled normal), for tests and for training from scratch."""
+  d, h, k, dh, f, v = (config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_dim,
+                       config.vocab_size)
+  dtype = config.jnp_dtype
+  keys = iter(jax.random.split(key, 12 * config.n_layers + 2))
+  dense = lambda shape, fan_in: (jax.random.normal(next(keys), shape) * fan_in ** -0.5).astype(dtype)
+  layers = []
+  for _ in range(config.n_layers):
+    layer = dict(attn_norm=jnp.ones((d,), dtype), wq=dense((d, h * dh), d), wk=dense((d, k * dh), d),
+                 wv=dense((d, k * dh), d), wo=dense((h * dh, d), h * dh) / (2 * config.n_layers) ** 0.5,
+                 mlp_norm=jnp.ones((d,), dtype), w_gate=dense((d, f), d), w_up=dense((d, f), d),
+                 w_down=dense((f, d), f) / (2 * config.n_layers) ** 0.5)
+    if config.qkv_bias:
+      layer.update(bq=dense((h * dh,), 1) * 0.1, bk=dense((k * dh,), 1) * 0.1, bv=dense((k * dh,), 1) * 0.1)
+    layers.append(layer)
+  params = dict(embed=dense((v, d), d), layers=layers, final_norm=jnp.ones((d,), dtype))
+  if not config.tie_embeddings:
+    params["lm_head"] = dense((d, v), d)
+  return params
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BxSxHxDh: jax.Array, positions_BxS: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in the rotate-half layout that Hugging Face checkpoints use."""
+  half = x_BxSxHxDh.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_BxSx1xHalf = (positions_BxS[..., None].astype(jnp.float32) * freqs)[:, :, None, :]
+  cos, sin = jnp.cos(angles_BxSx1xHalf), jnp.sin(angles_BxSx1xHalf)
+  x1, x2 = jnp.split(x_BxSxHxDh.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxSxHxDh.dtype)
+
+
+def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array) -> jax.Array:
+  """The LM head (tied or not), in fp32."""
+  head_DxV = params["lm_head"] if "lm_head" in params else params["embed"].T
+  return jnp.einsum("bsd,dv->bsv", hidden_BxSxD, head_DxV, preferred_element_type=jnp.float32)
+
+
+# attend(layer_index, q, k_new, v_new) -> attention output [B,S,H,Dh]; it may update a cache on the side.
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
+           attend: AttendFn) -> jax.Array:
+  """Embedding and decoder layers; returns the final-normed hidden state [B,S,D]."""
+  batch, seq = tokens_BxS.shape
+  x_BxSxD = params["embed"][tokens_BxS]
+  for i, layer in enumerate(params["layers"]):
+    h = rms_norm(x_BxSxD, layer["attn_norm"], config.norm_eps)
+    q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
+    if config.qkv_bias:
+      q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q = rope(q.reshape(batch, seq, config.n_heads, config.head_dim), positions_BxS, config.rope_theta)
+    k = rope(k.reshape(batch, seq, config.n_kv_heads, config.head_dim), positions_BxS, config.rope_theta)
+    v = v.reshape(batch, seq, config.n_kv_heads, config.head_dim)
+    out_BxSxHxDh = attend(i, q, k, v)
+    x_BxSxD = x_BxSxD + out_BxSxHxDh.reshape(batch, seq, -1) @ layer["wo"]
+    h = rms_norm(x_BxSxD, layer["mlp_norm"], config.norm_eps)
+    x_BxSxD = x_BxSxD + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+  return rms_norm(x_BxSxD, params["final_norm"], config.norm_eps)
+
+
+def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
+            config: ModelConfig) -> tuple[jax.Array, jax.Array, kvcache.KVCache]:
+  """One forward over S new tokens per row, written into the cache at each row's length.
+
+  The same code serves prefill (S = padded prompt), one-token decode and verification (S = K+1).
+  Returns `(logits [B,S,V] fp32, hidden [B,S,D], cache)` with `cache.lengths` advanced by S.
+  """
+  ks, vs = list(cache.k), list(cache.v)
+
+  def attend(i, q, k, v):
+    ks[i] = kvcache.write(ks[i], k, cache.lengths)
+    vs[i] = kvcache.write(vs[i], v, cache.lengths)
+    return attention.cached_attention(q, ks[i], vs[i], cache.lengths)
+
+  hidden = _trunk(params, tokens_BxS, positions_BxS, config, attend)
+  new_cache = kvcache.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + tokens_BxS.shape[1])
+  return logits_from_hidden(params, hidden), hidden, new_cache
+
+
+def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """A full causal forward with no cache, positions 0..S-1: the reference for tests."""
+  positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
+  hidden = _trunk(params, tokens_BxS, positions, config,
+                  lambda i, q, k, v: attention.causal_attention(q, k, v))
+  return logits_from_hidden(params, hidden), hidden

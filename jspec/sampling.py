@@ -1,0 +1,52 @@
+"""Logits -> the distribution we sample from, with temperature, top-k and top-p as per-row arrays.
+
+Rows with temperature 0 get the one-hot of the argmax. Greedy decoding is then just sampling from a one-hot,
+and the same rejection rule serves both: a one-hot p accepts a draft token iff it is the argmax, and its
+residual is the argmax again.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@flax.struct.dataclass
+class SamplingParams:
+  temperature: jax.Array  # [B] float32; 0 = greedy
+  top_k: jax.Array  # [B] int32; 0 = off
+  top_p: jax.Array  # [B] float32; 1 = off
+
+
+def _filter_top_k_top_p(logits_BxSxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+  """Masks logits outside the top-k, then outside the smallest set whose probability reaches top-p."""
+  vocab = logits_BxSxV.shape[-1]
+  sorted_desc = -jnp.sort(-logits_BxSxV, axis=-1)
+  k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
+  kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None, None].astype(jnp.int32), axis=-1)
+  logits_BxSxV = jnp.where(logits_BxSxV < kth, -jnp.inf, logits_BxSxV)
+  sorted_desc = jnp.where(jnp.arange(vocab) < k[:, None, None], sorted_desc, -jnp.inf)
+  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = mass_before < top_p_B[:, None, None]  # the first token is always kept
+  threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits_BxSxV < threshold, -jnp.inf, logits_BxSxV)
+
+
+def probabilities(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
+  """The distribution each row samples from at each of S positions, fp32 [B,S,V]."""
+  logits_BxSxV = logits_BxSxV.astype(jnp.float32)
+  temperature = params.temperature[:, None, None]
+  scaled = logits_BxSxV / jnp.where(temperature > 0, temperature, 1.0)
+  filtering = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
+  # Sorting V logits is the costly part; skip it when no row asks for it.
+  scaled = lax.cond(filtering, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p)
+  greedy = jax.nn.one_hot(jnp.argmax(logits_BxSxV, axis=-1), logits_BxSxV.shape[-1], dtype=jnp.float32)
+  return jnp.where(temperature > 0, jax.nn.softmax(scaled, axis=-1), greedy)
+
+
+def sample(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
+  """One token per row from its own key, so a row's draws do not depend on the rest of the batch."""
+  logp = jnp.log(probs_BxV)
+  return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys_B, logp).astype(jnp.int32)

@@ -1,0 +1,40 @@
+"""Tokenizers, always as a `tokenizer.json` read and written by the `tokenizers` package.
+
+Until a trained BPE exists, `byte_tokenizer()` gives a byte-level one: 256 byte tokens and an end-of-text
+token, with no merges. It round-trips any text exactly.
+"""
+from __future__ import annotations
+
+import pathlib
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def byte_tokenizer() -> Tokenizer:
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([EOS_TOKEN])
+  return tok
+
+
+def load_tokenizer(directory: pathlib.Path) -> Tokenizer:
+  path = pathlib.Path(directory) / "tokenizer.json"
+  if not path.is_file():
+    raise ValueError(f"{directory}: no tokenizer.json")
+  try:
+    return Tokenizer.from_file(str(path))
+  except Exception as e:  # the tokenizers package raises its own exception types
+    raise ValueError(f"{path}: cannot read the tokenizer ({e})") from None
+
+
+def encode(tok: Tokenizer, text: str) -> list[int]:
+  return tok.encode(text, add_special_tokens=False).ids
+
+
+def decode(tok: Tokenizer, ids: list[int]) -> str:
+  return tok.decode(ids, skip_special_tokens=True)

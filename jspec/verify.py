@@ -1,0 +1,35 @@
+"""Speculative verification: accept a prefix of the draft and emit one more token (Leviathan et al. 2023).
+
+Draft token x_i, drawn from q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i)). At the first
+rejection the replacement is drawn from norm(max(0, p_i - q_i)); if all G are accepted, a bonus token is
+drawn from p_{G+1}. The emitted tokens are then distributed exactly as the target's p. With one-hot p
+(greedy rows) this accepts while the draft equals the argmax, and emits the argmax.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.sampling import sample
+
+
+def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
+           p_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token."""
+  batch, num_draft = draft_BxG.shape
+  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
+  p_x = jnp.take_along_axis(p_BxG1xV[:, :num_draft], draft_BxG[..., None], axis=-1)[..., 0]
+  q_x = jnp.take_along_axis(q_BxGxV, draft_BxG[..., None], axis=-1)[..., 0]
+  u_BxG = jax.vmap(lambda k: jax.random.uniform(k, (num_draft,)))(accept_key)
+  accepted_BxG = u_BxG * q_x < p_x  # u < p/q without dividing; q(x) > 0 since x was drawn from q
+  n_accepted = jnp.sum(jnp.cumprod(accepted_BxG, axis=1), axis=1).astype(jnp.int32)
+
+  # Padding q with a zero row makes the residual after G acceptances p_{G+1} itself: the bonus token.
+  q_pad = jnp.concatenate([q_BxGxV, jnp.zeros_like(q_BxGxV[:, :1])], axis=1)
+  at = n_accepted[:, None, None]
+  p_n = jnp.take_along_axis(p_BxG1xV, at, axis=1)[:, 0]
+  residual = jnp.maximum(p_n - jnp.take_along_axis(q_pad, at, axis=1)[:, 0], 0.0)
+  total = residual.sum(-1, keepdims=True)
+  # A zero residual means p == q at that position, where rejection has probability 0; fall back to p.
+  residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_n)
+  return n_accepted, sample(residual_key, residual)

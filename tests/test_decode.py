@@ -1,0 +1,127 @@
+"""End-to-end decoding: greedy identity with the target, ragged batches, stops, statistics, no retrace."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jspec
+from jspec import decode, model, testing
+
+NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\n", "class Foo:\n    def __init__(self"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
+  return target, testing.perturbed(target, 0.5)
+
+
+def _full_argmax_check(target, prompt_ids, out_ids):
+  """Every emitted token is the target's full-forward argmax, except at near-ties (top-2 gap < 1e-5)."""
+  seq = np.asarray(prompt_ids + out_ids)[None]
+  logits = np.asarray(model.forward_full(target.params, seq, target.config)[0][0])
+  for i, tok in enumerate(out_ids):
+    row = logits[len(prompt_ids) - 1 + i]
+    top2 = np.sort(row)[-2:]
+    assert tok == row.argmax() or top2[1] - row[tok] < 1e-5, f"token {i}: {tok} vs argmax {row.argmax()}"
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_greedy_speculative_equals_target_argmax_and_ar(pair, draft_len):
+  target, draft = pair
+  ar = jspec.generate(target, PROMPTS, max_new_tokens=24)
+  spec = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=24, draft_len=draft_len)
+  assert spec.token_ids == ar.token_ids
+  assert 0 < spec.stats["acceptance_rate"] < 1  # the draft disagrees sometimes: both paths are exercised
+  for p, ids in zip(PROMPTS, spec.token_ids):
+    assert len(ids) == 24
+    _full_argmax_check(target, jspec.api.encode(target.tokenizer, p), ids)
+
+
+def test_ragged_batch_rows_equal_rows_alone(pair):
+  target, draft = pair
+  batched = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=20, draft_len=3)
+  for i, p in enumerate(PROMPTS):
+    alone = jspec.generate(target, [p], draft=draft, max_new_tokens=20, draft_len=3)
+    assert alone.token_ids[0] == batched.token_ids[i]
+
+
+@pytest.mark.parametrize("draft_len", [2, 4])
+def test_draft_equal_to_target_accepts_everything(pair, draft_len):
+  target, _ = pair
+  rounds = 5
+  r = jspec.generate(target, PROMPTS[:1], draft=target, max_new_tokens=rounds * (draft_len + 1),
+                     draft_len=draft_len)
+  s = r.stats
+  assert s["acceptance_rate"] == 1.0
+  assert s["mean_accepted_length"] == draft_len + 1
+  assert s["rounds"] == rounds and s["target_forwards"] == rounds
+  assert s["per_position_acceptance"] == [1.0] * draft_len
+
+
+def test_stats_identities(pair):
+  target, draft = pair
+  max_new, draft_len = 23, 4
+  r = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=max_new, draft_len=draft_len)
+  s = r.stats
+  emitted = sum(len(ids) for ids in r.token_ids)
+  assert s["emitted_tokens"] == emitted == max_new * len(PROMPTS)
+  assert s["drafted_tokens"] == draft_len * s["rounds"]
+  assert s["draft_forwards"] == draft_len * s["target_forwards"]
+  # Each round proposes accepted + 1 tokens; the last round of a row may be cut at max_new_tokens.
+  cut = s["accepted_tokens"] + s["rounds"] - s["emitted_tokens"]
+  assert 0 <= cut <= len(PROMPTS) * draft_len
+  assert sum(s["per_position_acceptance"]) * s["rounds"] == pytest.approx(s["accepted_tokens"])
+  assert s["mean_accepted_length"] == pytest.approx(s["emitted_tokens"] / s["rounds"])
+
+
+def test_eos_stops_each_row_and_nothing_follows_it():
+  # A vocabulary where EOS is likely: every row stops at its first EOS, at its own time.
+  config = dataclasses.replace(testing.TINY, vocab_size=12, eos_id=3)
+  target = testing.random_model(config, seed=3, scale=1.0)
+  draft = testing.perturbed(target, 0.3)
+  prompts = [[1, 2], [5], [7, 8, 9, 10], [0, 0, 0]]
+  for kwargs in [{}, dict(draft=draft, draft_len=3)]:
+    r = jspec.generate(target, prompts, max_new_tokens=40, temperature=1.0, seed=7, **kwargs)
+    lengths = [len(ids) for ids in r.token_ids]
+    for ids in r.token_ids:
+      assert 3 not in ids[:-1]
+      assert ids[-1] == 3 or len(ids) == 40
+    assert len(set(lengths)) > 1, lengths
+    assert r.stats["emitted_tokens"] == sum(lengths)
+
+
+def test_request_at_the_edge_of_the_context_finishes(pair):
+  target, draft = pair
+  context = target.config.max_seq_len
+  prompt = [5] * 100
+  r = jspec.generate(target, [prompt], draft=draft, max_new_tokens=context - 100, draft_len=4)
+  assert len(r.token_ids[0]) == context - 100
+  ar = jspec.generate(target, [prompt], max_new_tokens=context - 100)
+  assert ar.token_ids == r.token_ids
+  with pytest.raises(ValueError, match="exceeds the model's context"):
+    jspec.generate(target, [prompt], draft=draft, max_new_tokens=context - 99)
+
+
+def test_no_retrace_across_requests_in_a_bucket(pair):
+  target, draft = pair
+  jspec.generate(target, ["warm up"], draft=draft, max_new_tokens=10, draft_len=3)
+  before = dict(decode.trace_counts)
+  for i, (prompt, temp) in enumerate([("abc", 0.0), ("a longer prompt", 0.7), ("zz", 1.3)]):
+    r = jspec.generate(target, [prompt], draft=draft, max_new_tokens=10 + i, draft_len=3, temperature=temp,
+                       top_k=i * 5, top_p=1.0 - 0.1 * i, seed=i)
+    assert r.stats["compile_seconds"] == 0.0
+  assert dict(decode.trace_counts) == before
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
+  target, draft = pair
+  kw = dict(draft=draft, max_new_tokens=16, draft_len=3, temperature=1.0)
+  a = jspec.generate(target, PROMPTS[:2], seed=1, **kw)
+  b = jspec.generate(target, PROMPTS[:2], seed=1, **kw)
+  c = jspec.generate(target, PROMPTS[:2], seed=2, **kw)
+  assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+  alone = jspec.generate(target, PROMPTS[1:2], seed=[2], **kw)  # row 1 of seed 1 uses seed 2
+  assert alone.token_ids[0] == a.token_ids[1]

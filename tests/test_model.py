@@ -1,0 +1,74 @@
+"""The cached forward equals the full forward, whatever the chunking and however ragged the batch."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import cache as kvcache
+from jspec import model, testing
+from jspec.config import num_params
+
+
+def _check_chunks(config, chunk, batch, capacity, prompt_lens, total, seed=0):
+  params = model.init_params(config, jax.random.PRNGKey(seed))
+  tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, total), 0, config.vocab_size)
+  full_logits, full_hidden = model.forward_full(params, tokens, config)
+  lens = np.asarray(prompt_lens, np.int32)
+  width = int(lens.max())
+  cache = kvcache.init_cache(config, batch, capacity)
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  logits, _, cache = model.forward(params, tokens[:, :width], positions, cache, config)
+  for b in range(batch):  # prefill of right-padded prompts: each row's real positions match
+    np.testing.assert_allclose(logits[b, :lens[b]], full_logits[b, :lens[b]], atol=1e-5, rtol=1e-5)
+  cache = cache.rewind(jnp.asarray(lens))
+  step = jax.jit(lambda c, t, p: model.forward(params, t, p, c, config))
+  while int(lens.max()) + chunk <= total:
+    pos = lens[:, None] + np.arange(chunk)
+    chunk_tokens = np.take_along_axis(np.asarray(tokens), pos, axis=1)
+    logits, hidden, cache = step(cache, chunk_tokens, pos)
+    for b in range(batch):
+      np.testing.assert_allclose(logits[b], full_logits[b, pos[b]], atol=1e-5, rtol=1e-5)
+      np.testing.assert_allclose(hidden[b], full_hidden[b, pos[b]], atol=1e-5, rtol=1e-5)
+    lens = lens + chunk
+    np.testing.assert_array_equal(cache.lengths, lens)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_cache_matches_full_forward_ragged(chunk):
+  # 150 tokens cross the first attention block (128 slots), so the blocked loop is exercised too.
+  _check_chunks(testing.TINY, chunk, batch=3, capacity=256, prompt_lens=[7, 1, 130], total=150)
+
+
+def test_cache_matches_full_forward_scatter_path_and_qkv_bias_untied():
+  config = dataclasses.replace(testing.TINY, qkv_bias=True, tie_embeddings=False, n_kv_heads=4)
+  batch = kvcache.MAX_UNROLLED_ROWS + 1
+  _check_chunks(config, 3, batch=batch, capacity=128, prompt_lens=list(range(1, batch + 1)), total=40)
+
+
+def test_rollback_is_only_a_length():
+  config = testing.TINY
+  params = model.init_params(config, jax.random.PRNGKey(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 20), 0, config.vocab_size)
+  cache = kvcache.init_cache(config, 1, 128)
+  pos = jnp.arange(20)[None]
+  _, _, cache = model.forward(params, tokens, pos, cache, config)
+  junk = jnp.full((1, 4), 3)
+  _, _, dirty = model.forward(params, junk, pos[:, 10:14], cache.rewind(jnp.asarray([10])), config)
+  # After rewinding past the junk, a fresh chunk sees exactly the original prefix.
+  a, _, _ = model.forward(params, tokens[:, 10:12], pos[:, 10:12], dirty.rewind(jnp.asarray([10])), config)
+  full, _ = model.forward_full(params, tokens, config)
+  np.testing.assert_allclose(a[0], full[0, 10:12], atol=1e-5, rtol=1e-5)
+
+
+def test_num_params_matches_tree():
+  for config in [testing.TINY, dataclasses.replace(testing.TINY, qkv_bias=True, tie_embeddings=False)]:
+    params = model.init_params(config, jax.random.PRNGKey(0))
+    assert sum(x.size for x in jax.tree.leaves(params)) == num_params(config)
+
+
+def test_round_capacity_is_a_block_multiple_that_fits():
+  for tokens in [1, 127, 128, 129, 300, 1000, 4097]:
+    cap = kvcache.round_capacity(tokens)
+    assert cap >= tokens and cap % kvcache.BLOCK_SIZE == 0

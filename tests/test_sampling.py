@@ -1,0 +1,115 @@
+"""Sampling is lossless: exactly by enumeration on a tiny vocabulary, and statistically for `verify`."""
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec import model, sampling, testing
+from jspec.verify import verify
+
+VOCAB = 8
+TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=VOCAB, eos_id=None)
+PROMPT = [1, 5, 2]
+N = 3000
+
+
+def _params(temperature, top_k, top_p, batch=1):
+  return sampling.SamplingParams(temperature=jnp.full((batch,), temperature, jnp.float32),
+                                 top_k=jnp.full((batch,), top_k, jnp.int32),
+                                 top_p=jnp.full((batch,), top_p, jnp.float32))
+
+
+def exact_joint(m, sp):
+  """P(first two tokens) under the sampling transform, by enumerating every first token."""
+  seqs = np.asarray([PROMPT + [a] for a in range(VOCAB)])
+  logits = model.forward_full(m.params, seqs, m.config)[0]
+  first = sampling.probabilities(logits[:1, len(PROMPT) - 1:len(PROMPT)], _params(*sp))[0, 0]
+  second = sampling.probabilities(logits[:, len(PROMPT):len(PROMPT) + 1], _params(*sp, batch=VOCAB))[:, 0]
+  return np.asarray(first)[:, None] * np.asarray(second)
+
+
+def tv_bound(p, n):
+  """Expected TV of an n-sample histogram, plus a McDiarmid margin for failure probability 1e-4."""
+  return 0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + np.sqrt(np.log(1e4) / (2 * n))
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target = testing.random_model(TINY_VOCAB, seed=0, scale=1.0)
+  return target, testing.perturbed(target, 1.0, seed=4)
+
+
+@pytest.mark.parametrize("sp", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8)], ids=["t1", "t07-topk3", "topp08"])
+@pytest.mark.parametrize("draft_len", [0, 1, 3])
+def test_first_two_tokens_match_the_exact_distribution(pair, sp, draft_len):
+  target, draft = pair
+  want = exact_joint(target, sp)
+  bound = tv_bound(want, N)
+  # The test can fail: the draft's own distribution is far outside the bound.
+  assert 0.5 * np.abs(exact_joint(draft, sp) - want).sum() > 3 * bound
+  r = jspec.generate(target, [PROMPT] * N, draft=draft if draft_len else None, max_new_tokens=2,
+                     draft_len=max(draft_len, 1), temperature=sp[0], top_k=sp[1], top_p=sp[2], seed=11)
+  counts = np.zeros((VOCAB, VOCAB))
+  for a, b in r.token_ids:
+    counts[a, b] += 1
+  tv = 0.5 * np.abs(counts / N - want).sum()
+  assert tv < bound, (tv, bound)
+  if draft_len:
+    assert 0.02 < r.stats["acceptance_rate"] < 0.95  # both accept and reject paths are taken
+
+
+def test_top_k_top_p_masks_are_never_violated():
+  logits = jax.random.normal(jax.random.PRNGKey(0), (4, 3, 50)) * 3
+  sp = sampling.SamplingParams(temperature=jnp.asarray([1.0, 0.5, 1.0, 0.0]), top_k=jnp.asarray([5, 0, 3, 2]),
+                               top_p=jnp.asarray([1.0, 0.6, 0.9, 0.5]))
+  probs = np.asarray(sampling.probabilities(logits, sp))
+  order = np.argsort(-np.asarray(logits), axis=-1)
+  for b, k in enumerate([5, 50, 3, 1]):
+    assert np.all(np.take_along_axis(probs[b], order[b][:, k:], axis=-1) == 0)
+  np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+  # top-p 0.6 at temperature 0.5: the kept set is the smallest whose mass reaches 0.6.
+  full = np.asarray(jax.nn.softmax(logits[1] / 0.5))
+  for s in range(3):
+    kept = probs[1, s] > 0
+    mass = np.sort(full[s])[::-1]
+    assert full[s][kept].sum() >= 0.6 and full[s][kept].sum() - mass[kept.sum() - 1] < 0.6
+  assert np.all(probs[3].max(-1) == 1.0)  # temperature 0: one-hot argmax
+
+
+def test_verify_converges_to_target_like_vllm():
+  """vLLM's method: with random p and q, the histogram's distance to p shrinks with the draw count far
+  faster than its distance to random reference distributions does."""
+  vocab, k = 16, 2
+  rng = np.random.default_rng(0)
+  p = rng.dirichlet(np.ones(vocab) * 0.7, size=k + 1).astype(np.float32)
+  q = rng.dirichlet(np.ones(vocab) * 0.7, size=k).astype(np.float32)
+  refs = rng.dirichlet(np.ones(vocab), size=100)
+
+  @jax.jit
+  def draws(key, n):
+    kd, kv = jax.random.split(key)
+    drafts = jax.random.categorical(kd, jnp.log(jnp.asarray(q)), shape=(n, k)).astype(jnp.int32)
+    keys = jax.random.split(kv, n)
+    n_acc, nxt = verify(keys, drafts, jnp.broadcast_to(q, (n, k, vocab)), jnp.broadcast_to(p, (n, k + 1, vocab)))
+    return jnp.where(n_acc > 0, drafts[:, 0], nxt)  # the first emitted token, which must follow p[0]
+
+  def distances(n):
+    hist = np.bincount(np.asarray(draws(jax.random.PRNGKey(n), n)), minlength=vocab) / n
+    return np.linalg.norm(hist - p[0]), np.linalg.norm(hist[None] - refs, axis=1).mean()
+
+  (t_small, r_small), (t_big, r_big) = distances(10), distances(100_000)
+  assert t_small / t_big > 20 * (r_small / r_big)
+
+
+def test_verify_greedy_cases():
+  vocab = 6
+  onehot = lambda ids: jax.nn.one_hot(jnp.asarray(ids), vocab)
+  p = onehot([[2, 4, 1]])  # target argmaxes
+  keys = jax.random.split(jax.random.PRNGKey(0), 1)
+  for drafts, want_n, want_next in [([2, 4], 2, 1), ([2, 5], 1, 4), ([0, 4], 0, 2)]:
+    n, nxt = verify(keys, jnp.asarray([drafts]), onehot([drafts]), p)
+    assert (int(n[0]), int(nxt[0])) == (want_n, want_next)
