@@ -69,7 +69,7 @@ def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array) -> jax.Array:
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def _trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
+def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
            attend: AttendFn) -> jax.Array:
   """Embedding and decoder layers; returns the final-normed hidden state [B,S,D]."""
   batch, seq = tokens_BxS.shape
@@ -103,7 +103,7 @@ def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cac
     vs[i] = kvcache.write(vs[i], v, cache.lengths)
     return attention.cached_attention(q, ks[i], vs[i], cache.lengths)
 
-  hidden = _trunk(params, tokens_BxS, positions_BxS, config, attend)
+  hidden = trunk(params, tokens_BxS, positions_BxS, config, attend)
   new_cache = kvcache.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + tokens_BxS.shape[1])
   return logits_from_hidden(params, hidden), hidden, new_cache
 
@@ -111,6 +111,6 @@ def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cac
 def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
   """A full causal forward with no cache, positions 0..S-1: the reference for tests."""
   positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
-  hidden = _trunk(params, tokens_BxS, positions, config,
+  hidden = trunk(params, tokens_BxS, positions, config,
                   lambda i, q, k, v: attention.causal_attention(q, k, v))
   return logits_from_hidden(params, hidden), hidden

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import jax
 
@@ -28,3 +30,39 @@ def perturbed(m: Model, noise: float, seed: int = 1) -> Model:
   keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
   noisy = [x + noise * x.std() * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
   return dataclasses.replace(m, params=jax.tree.unflatten(treedef, noisy))
+
+
+def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
+  """Instructions in any while-loop body that copy, transpose or rewrite a whole cache-sized buffer.
+
+  The regression issue 8 fixed: a loop that writes the cache and attends over it paid a full copy of the
+  buffer every step. In-place updates appear as dynamic-update-slice fusions and are allowed.
+  """
+  computations: dict[str, list[str]] = {}
+  name = None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
+    if header:
+      name = header.group(1)
+      computations[name] = []
+    elif name and line.startswith("  "):
+      computations[name].append(line)
+  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
+
+  def in_place_update(fusion: str) -> bool:
+    root = next((l for l in computations.get(fusion, []) if l.lstrip().startswith("ROOT")), "")
+    return " dynamic-update-slice(%param" in root or " scatter(%param" in root
+
+  bad = []
+  for body in bodies:
+    for line in computations.get(body, []):
+      m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\(", line)
+      if not m:
+        continue
+      dims, op = m.groups()
+      if math.prod(int(d) for d in dims.split(",") if d) != cache_elements:
+        continue
+      called = re.search(r"calls=%([\w.\-]+)", line)
+      if op in ("copy", "transpose", "select") or (op == "fusion" and not in_place_update(called.group(1))):
+        bad.append(line.strip()[:160])
+  return bad

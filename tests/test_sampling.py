@@ -1,6 +1,6 @@
 """Sampling is lossless: exactly by enumeration on a tiny vocabulary, and statistically for `verify`."""
 import dataclasses
-import itertools
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,7 @@ def test_verify_converges_to_target_like_vllm():
   q = rng.dirichlet(np.ones(vocab) * 0.7, size=k).astype(np.float32)
   refs = rng.dirichlet(np.ones(vocab), size=100)
 
-  @jax.jit
+  @functools.partial(jax.jit, static_argnums=1)
   def draws(key, n):
     kd, kv = jax.random.split(key)
     drafts = jax.random.categorical(kd, jnp.log(jnp.asarray(q)), shape=(n, k)).astype(jnp.int32)

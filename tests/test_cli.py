@@ -1,0 +1,103 @@
+"""Bad input: one clear line, exit status 2 from the CLI and ValueError from the API; and a save/load trip."""
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jspec
+from jspec import cli, testing
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+  root = tmp_path_factory.mktemp("ckpt")
+  target = testing.random_model(testing.TINY, seed=0, scale=2.0)
+  jspec.save(target, root / "target")
+  jspec.save(testing.random_model(testing.TINY_DRAFT, seed=1), root / "draft")
+  other_vocab = dataclasses.replace(testing.TINY_DRAFT, vocab_size=300)
+  jspec.save(testing.random_model(other_vocab, seed=1), root / "draft-vocab")
+  (root / "corrupt").mkdir()
+  (root / "corrupt" / "config.json").write_text((root / "target" / "config.json").read_text())
+  (root / "corrupt" / "tokenizer.json").write_text((root / "target" / "tokenizer.json").read_text())
+  (root / "corrupt" / "params").mkdir()
+  (root / "corrupt" / "params" / "garbage").write_text("not a checkpoint")
+  return root
+
+
+def test_save_load_round_trip(ckpts):
+  original = testing.random_model(testing.TINY, seed=0, scale=2.0)
+  loaded = jspec.load(ckpts / "target")
+  assert loaded.config == original.config
+  jax.tree.map(np.testing.assert_array_equal, loaded.params, original.params)
+  a = jspec.generate(loaded, ["hello"], max_new_tokens=8)
+  b = jspec.generate(original, ["hello"], max_new_tokens=8)
+  assert a.token_ids == b.token_ids
+
+
+def _cli(ckpts, *args):
+  argv = ["--target", str(ckpts / "target"), "--draft", str(ckpts / "draft"), "--max-new-tokens", "5", *args]
+  return argv
+
+
+BAD = [
+    (["--target", "/nonexistent/dir"], "no such checkpoint directory"),
+    (["--target", "{root}/corrupt"], "cannot restore parameters"),
+    (["--prompt", "x" * 2000], "exceeds the model's context"),
+    (["--prompt", ""], "prompt 0 is empty"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "-2"], "top_k must be >= 0"),
+    (["--draft-len", "0"], "draft_len must be >= 1"),
+    (["--draft", "{root}/draft-vocab"], "draft vocab size 300 differs"),
+    ([], "no prompt given"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_exits_2_with_one_line(ckpts, capsys, extra, message):
+  extra = [e.replace("{root}", str(ckpts)) for e in extra]
+  if "--prompt" not in extra and message != "no prompt given":
+    extra = extra + ["--prompt", "hi"]
+  code = cli.main(_cli(ckpts, *extra))
+  err = capsys.readouterr().err
+  assert code == 2
+  assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_api_raises_value_error(ckpts):
+  target = jspec.load(ckpts / "target")
+  with pytest.raises(ValueError, match="temperature must be >= 0"):
+    jspec.generate(target, ["x"], temperature=-0.5)
+  with pytest.raises(ValueError, match="tokenizer differs"):
+    other = dataclasses.replace(target, tokenizer=target.tokenizer.from_str(target.tokenizer.to_str()))
+    other.tokenizer.add_special_tokens(["<|other|>"])
+    jspec.generate(target, ["x"], draft=other)
+
+
+def test_cli_json_end_to_end_in_a_subprocess(ckpts, tmp_path):
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text(json.dumps({"prompt": "def f("}) + "\n" + json.dumps({"prompt": "x = "}) + "\n")
+  proc = subprocess.run([sys.executable, "-m", "jspec.generate", *_cli(ckpts, "--prompt-file", str(prompts),
+                                                                       "--json", "--baseline")],
+                        capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  out = json.loads(proc.stdout)
+  assert [o["prompt"] for o in out["outputs"]] == ["def f(", "x = "]
+  assert all(len(o["token_ids"]) == 5 for o in out["outputs"])
+  assert out["baseline"]["token_ids_match"] is True and out["speedup"] > 0
+  for key in ["acceptance_rate", "mean_accepted_length", "rounds", "target_forwards", "draft_forwards",
+              "drafted_tokens", "accepted_tokens", "emitted_tokens", "per_position_acceptance",
+              "tokens_per_second", "wall_seconds", "compile_seconds"]:
+    assert key in out["stats"]
+  bad = subprocess.run([sys.executable, "-m", "jspec.generate", "--target", "/nonexistent", "--prompt", "x"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert bad.returncode == 2 and bad.stderr.startswith("error:") and bad.stderr.count("\n") == 1

@@ -1,0 +1,50 @@
+"""The compiled decode loops never copy a whole KV-cache buffer (issue 8's regression)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jspec import cache as kvcache
+from jspec import engine, testing
+
+CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
+DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
+
+
+def _hlo(batch, speculative, capacity=512):
+  target = testing.random_model(CONFIG)
+  draft = testing.random_model(DRAFT, seed=1)
+  args = (target.params, draft.params if speculative else None, np.zeros((batch, 16), np.int32),
+          np.full((batch,), 3, np.int32), np.full((batch,), 8, np.int32),
+          engine.as_sampling(0.0, 0, 1.0, batch), np.arange(batch, dtype=np.uint32))
+  static = dict(target_config=CONFIG, draft_config=DRAFT if speculative else None,
+                draft_len=4 if speculative else 0, capacity=capacity)
+  return engine.run.lower(*args, **static).compile().as_text()
+
+
+@pytest.mark.parametrize("batch", [1, 4, kvcache.MAX_UNROLLED_ROWS + 2])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_no_full_cache_copy_in_loop_body(batch, speculative):
+  capacity = 512
+  text = _hlo(batch, speculative, capacity)
+  for config in [CONFIG] + ([DRAFT] if speculative else []):
+    elements = batch * config.n_kv_heads * capacity * config.head_dim
+    assert testing.loop_cache_copies(text, elements) == []
+
+
+def test_detector_finds_a_copy():
+  # The layout the issue started from: a [B, T, K, Dh] buffer written by a vmapped update and read by an
+  # einsum makes XLA copy the whole buffer; the detector must see it.
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+
+  def step(carry):
+    i, k_BxTxKxDh = carry
+    k_BxTxKxDh = jax.vmap(lambda b, n: lax.dynamic_update_slice(b, jnp.ones((1, 2, 16)), (n, 0, 0)))(
+        k_BxTxKxDh, jnp.full((1,), i))
+    s = jnp.einsum("bqhd,bthd->bhqt", jnp.ones((1, 1, 2, 16)), k_BxTxKxDh)
+    return i + 1, k_BxTxKxDh + s.sum() * 0
+  text = jax.jit(lambda k: lax.while_loop(lambda c: c[0] < 10, step, (0, k))).lower(
+      jnp.zeros((1, 512, 2, 16))).compile().as_text()
+  assert testing.loop_cache_copies(text, 512 * 2 * 16)

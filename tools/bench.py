@@ -1,0 +1,193 @@
+"""Benchmarks. Ratios are measured in one process, interleaved (A, B, A, B, ...), and reported as medians.
+
+  python tools/bench.py                 # AR vs speculative on the shipped pair, held-out code prompts
+  python tools/bench.py --suite step    # decode-step costs: attention vs none, verify vs step, c
+  python tools/bench.py --suite loop    # loop overhead and the verify cost curve on a ~30M model
+  python tools/bench.py --quick         # a smoke run on tiny random models (CI)
+Prints one JSON object and writes it to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+import jspec  # noqa: E402
+from jspec import cache as kvcache  # noqa: E402
+from jspec import cli, data, model, testing  # noqa: E402
+from jspec.config import ModelConfig, num_params  # noqa: E402
+
+# ~31M parameters: the size the loop-overhead goal names (20-50M).
+MID = ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, mlp_dim=1536,
+                  max_seq_len=8192)
+# The model issue 8 describes: 6 layers, width 384, heads of 64.
+STEP_MODEL = ModelConfig(vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, head_dim=64,
+                         mlp_dim=1024, max_seq_len=8192)
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+  """Median seconds of each fn, calling them in turn `repeats` times after one warm-up each."""
+  for f in fns.values():
+    f()
+  times = {k: [] for k in fns}
+  for _ in range(repeats):
+    for k, f in fns.items():
+      t0 = time.perf_counter()
+      f()
+      times[k].append(time.perf_counter() - t0)
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def heldout_prompts(tokenizer, count: int, max_chars: int = 600) -> list[str]:
+  """The start of a function in held-out stdlib files: everything up to and including a `def` line."""
+  prompts = []
+  for path in data.corpus_files("heldout"):
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+      if line.lstrip().startswith("def ") and i > 5:
+        prompts.append("".join(lines[:i + 1])[-max_chars:])
+        break
+    if len(prompts) == count:
+      break
+  return prompts
+
+
+def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int, seq: int, attention: bool,
+              steps: int = 32):
+  """A jitted while-loop of `steps` forwards of `seq` tokens per row over a cache holding `used` tokens."""
+  cache = kvcache.init_cache(config, batch, capacity).rewind(jnp.full((batch,), used, jnp.int32))
+  tokens = jnp.ones((batch, seq), jnp.int32)
+  positions = used + jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+
+  def one(cache):
+    if attention:
+      logits, _, cache = model.forward(params, tokens, positions, cache, config)
+      return logits, cache.rewind(cache.lengths - seq)
+    hidden = model.trunk(params, tokens, positions, config, lambda i, q, k, v: q)
+    return model.logits_from_hidden(params, hidden), cache
+
+  @jax.jit
+  def run(cache):
+    def body(i, c):
+      acc, cache = c
+      logits, cache = one(cache)
+      return acc + logits[0, 0, 0], cache
+    return lax.fori_loop(0, steps, body, (jnp.zeros(()), cache))[0]
+
+  return lambda: jax.block_until_ready(run(cache)), steps
+
+
+def suite_step(repeats: int) -> dict:
+  config = STEP_MODEL
+  params = model.init_params(config, jax.random.PRNGKey(0))
+  draft_config = dataclasses.replace(config, dim=128, n_layers=1, n_heads=2, n_kv_heads=2, mlp_dim=384)
+  draft_params = model.init_params(draft_config, jax.random.PRNGKey(1))
+  out = {"model_params": num_params(config), "rows": []}
+  for capacity in (1024, 4096):
+    for batch in (1, 8):
+      used = 256
+      fns, steps = {}, 0
+      for name, seq, attn in [("step", 1, True), ("no_attention", 1, False), ("verify5", 5, True)]:
+        fns[name], steps = step_loop(params, config, batch, capacity, used, seq, attn)
+      fns["draft_step"], _ = step_loop(draft_params, draft_config, batch, capacity, used, 1, True)
+      t = {k: v / steps for k, v in interleaved(fns, repeats).items()}
+      out["rows"].append({
+          "capacity": capacity, "batch": batch, "used": used, "step_ms": t["step"] * 1e3,
+          "no_attention_ms": t["no_attention"] * 1e3, "step_over_no_attention": t["step"] / t["no_attention"],
+          "verify5_over_step": t["verify5"] / t["step"], "c_draft_over_target": t["draft_step"] / t["step"],
+          "param_ratio": num_params(draft_config) / num_params(config)})
+      print(json.dumps(out["rows"][-1]), file=sys.stderr)
+  return out
+
+
+def suite_loop(repeats: int) -> dict:
+  """Loop overhead (AR loop vs one jitted forward) and the verify cost curve, on a ~31M model."""
+  target = testing.random_model(MID)
+  prompts = [list(range(1, 33))]
+  new = 64
+  single, _ = step_loop(target.params, MID, 1, 256, 32, 1, True, steps=1)
+  t = interleaved({"single": single,
+                   "ar": lambda: jspec.generate(target, prompts, max_new_tokens=new)}, repeats)
+  ar = jspec.generate(target, prompts, max_new_tokens=new)
+  out = {"model_params": num_params(MID), "single_forward_ms": t["single"] * 1e3,
+         "ar_tokens_per_second": ar.stats["tokens_per_second"],
+         "loop_overhead_ratio": ar.stats["tokens_per_second"] * t["single"]}
+  fns = {f"verify{k + 1}": step_loop(target.params, MID, 1, 256, 32, k + 1, True)[0] for k in range(0, 9)}
+  tv = interleaved(fns, repeats)
+  out["verify_cost_over_step"] = {k: tv[f"verify{k + 1}"] / tv["verify1"] for k in range(1, 9)}
+  copy = jspec.generate(target, prompts, draft=target, max_new_tokens=5 * 8, draft_len=4)
+  out["draft_equals_target_tokens_per_forward"] = copy.stats["mean_accepted_length"]
+  return out
+
+
+def suite_spec(target, draft, prompts, draft_lens, max_new: int, repeats: int) -> dict:
+  out = {"prompts": len(prompts), "max_new_tokens": max_new, "rows": []}
+  for k in draft_lens:
+    walls = {"ar": [], "spec": []}
+    stats = []
+    for p in prompts:  # batch 1, as the goals are stated
+      t = interleaved({"ar": lambda: jspec.generate(target, [p], max_new_tokens=max_new),
+                       "spec": lambda: jspec.generate(target, [p], draft=draft, max_new_tokens=max_new,
+                                                      draft_len=k)}, repeats)
+      s = jspec.generate(target, [p], draft=draft, max_new_tokens=max_new, draft_len=k)
+      a = jspec.generate(target, [p], max_new_tokens=max_new)
+      assert s.token_ids == a.token_ids, "speculative greedy output differs from plain decoding"
+      walls["ar"].append(t["ar"])
+      walls["spec"].append(t["spec"])
+      stats.append(s.stats)
+    tokens = sum(s["emitted_tokens"] for s in stats)
+    row = {"draft_len": k, "ar_tokens_per_second": tokens / sum(walls["ar"]),
+           "spec_tokens_per_second": tokens / sum(walls["spec"]), "speedup": sum(walls["ar"]) / sum(walls["spec"]),
+           "acceptance_rate": sum(s["accepted_tokens"] for s in stats) / sum(s["drafted_tokens"] for s in stats),
+           "tau": tokens / sum(s["rounds"] for s in stats)}
+    out["rows"].append(row)
+    print(json.dumps(row), file=sys.stderr)
+  return out
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--suite", choices=["spec", "step", "loop"], default="spec")
+  ap.add_argument("--quick", action="store_true", help="tiny random models, few repeats (a smoke run)")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--max-new-tokens", type=int, default=128)
+  ap.add_argument("--draft-lens", default="2,3,4,5,6")
+  ap.add_argument("--out", default="bench-out/bench.json")
+  args = ap.parse_args()
+  if args.quick:
+    target = testing.random_model(testing.TINY, scale=2.0)
+    draft = testing.perturbed(target, 0.3)
+    result = suite_spec(target, draft, ["def f(x):", "import os\n"], [2, 4], 16, 2)
+  elif args.suite == "step":
+    result = suite_step(args.repeats)
+  elif args.suite == "loop":
+    result = suite_loop(args.repeats)
+  else:
+    target, draft = jspec.load(cli.DEFAULT_TARGET), jspec.load(cli.DEFAULT_DRAFT)
+    prompts = heldout_prompts(target.tokenizer, args.prompts)
+    result = suite_spec(target, draft, prompts, [int(k) for k in args.draft_lens.split(",")],
+                        args.max_new_tokens, args.repeats)
+  result = {"suite": "quick" if args.quick else args.suite, "jax": jax.__version__,
+            "device": str(jax.devices()[0].device_kind), **result}
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2))
+  print(json.dumps(result, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
