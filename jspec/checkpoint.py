@@ -26,13 +26,15 @@ def _one_line(e: Exception) -> str:
   return " ".join(str(e).split())[:300]
 
 
-def save(m: Model, path: str | pathlib.Path) -> None:
+def save(m: Model, path: str | pathlib.Path, storage_dtype: str | None = None) -> None:
+  """Writes a checkpoint directory; `storage_dtype="bfloat16"` halves it (load casts back to the config's)."""
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.json").write_text(m.config.to_json())
   m.tokenizer.save(str(path / "tokenizer.json"))
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path / "params", m.params, force=True)
+    params = m.params if storage_dtype is None else jax.tree.map(lambda x: x.astype(storage_dtype), m.params)
+    ckptr.save(path / "params", params, force=True)
 
 
 def load(path: str | pathlib.Path) -> Model:
@@ -48,6 +50,8 @@ def load(path: str | pathlib.Path) -> Model:
     raise ValueError(f"{path}/config.json: invalid model config ({_one_line(e)})") from None
   tokenizer = load_tokenizer(path)
   abstract = jax.eval_shape(lambda: model.init_params(config, jax.random.PRNGKey(0)))
+  if not (path / "params").is_dir():
+    raise ValueError(f"{path}: no params/ directory")
   try:
     with ocp.StandardCheckpointer() as ckptr:
       params = ckptr.restore(path / "params", abstract)

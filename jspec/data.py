@@ -39,3 +39,39 @@ def token_stream(texts: list[str], encode, eos_id: int) -> np.ndarray:
     out.extend(encode(t))
     out.append(eos_id)
   return np.asarray(out, np.int32)
+
+
+def shard_path(directory: pathlib.Path, split: str) -> pathlib.Path:
+  return pathlib.Path(directory) / f"{split}.npy"
+
+
+def main(argv=None) -> int:
+  """`python -m jspec.data --out data/code`: train the BPE tokenizer on the train split, write token shards."""
+  import argparse
+
+  from tqdm import tqdm
+
+  from jspec import tokenizer
+
+  ap = argparse.ArgumentParser(prog="python -m jspec.data")
+  ap.add_argument("--out", default="data/code")
+  ap.add_argument("--vocab-size", type=int, default=6144)
+  args = ap.parse_args(argv)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  print(f"corpus: the standard library of this Python ({stdlib_root().name}), split by path hash")
+  tok = tokenizer.train_bpe(read_texts("train"), args.vocab_size)
+  tok.save(str(out / "tokenizer.json"))
+  eos = tok.token_to_id(tokenizer.EOS_TOKEN)
+  for split in ("train", "validation", "heldout"):
+    ids = []
+    for path in tqdm(corpus_files(split), desc=f"tokenizing {split}"):
+      ids.extend(tokenizer.encode(tok, path.read_text(encoding="utf-8", errors="replace")))
+      ids.append(eos)
+    np.save(shard_path(out, split), np.asarray(ids, np.uint16 if args.vocab_size <= 65536 else np.int32))
+    print(f"{split}: {len(ids):,} tokens")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

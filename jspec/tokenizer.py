@@ -1,13 +1,15 @@
 """Tokenizers, always as a `tokenizer.json` read and written by the `tokenizers` package.
 
-Until a trained BPE exists, `byte_tokenizer()` gives a byte-level one: 256 byte tokens and an end-of-text
-token, with no merges. It round-trips any text exactly.
+Both kinds are byte-level, so decoding round-trips any text exactly, whitespace and indentation included:
+`train_bpe` learns merges on a corpus; `byte_tokenizer` has none (256 byte tokens and end-of-text).
 """
 from __future__ import annotations
 
 import pathlib
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -19,6 +21,16 @@ def byte_tokenizer() -> Tokenizer:
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([EOS_TOKEN])
+  return tok
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=True,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(texts, trainer)
   return tok
 
 

@@ -1,8 +1,10 @@
 """Training with optax: next-token cross-entropy, or distillation from a frozen target for drafts.
 
-`python -m jspec.train --config configs/NAME.json`. The config names the model, the optimizer schedule and,
-for a draft, the teacher checkpoint. Distillation minimizes KL(teacher || student) computed on the fly,
-plus `ce_weight` times cross-entropy on the data.
+`python -m jspec.train --config configs/NAME.json`. The config names the model, the data directory (token
+shards and tokenizer from `python -m jspec.data`), the optimizer schedule and, for a draft, the teacher
+checkpoint. Distillation minimizes KL(teacher || student), with the teacher's distribution computed on the
+fly, plus `ce_weight` times cross-entropy on the data. An orbax CheckpointManager in `workdir` keeps the
+latest steps, and a rerun of the same command resumes from the last one.
 """
 from __future__ import annotations
 
@@ -15,14 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from jspec import checkpoint, data, model
 from jspec.config import ModelConfig
-from jspec.tokenizer import EOS_TOKEN, byte_tokenizer, encode
+from jspec.tokenizer import EOS_TOKEN, load_tokenizer
 
 
 def loss_fn(params, batch_BxS1, config: ModelConfig, teacher=None, ce_weight: float = 1.0):
+  """Returns (loss, cross-entropy). With a teacher (params, config), loss = KL + ce_weight * CE."""
   inputs, targets = batch_BxS1[:, :-1], batch_BxS1[:, 1:]
   logits, _ = model.forward_full(params, inputs, config)
   logp = jax.nn.log_softmax(logits, axis=-1)
@@ -30,80 +34,99 @@ def loss_fn(params, batch_BxS1, config: ModelConfig, teacher=None, ce_weight: fl
   if teacher is None:
     return ce, ce
   t_params, t_config = teacher
-  t_logits, _ = model.forward_full(t_params, inputs, t_config)
-  t_logp = jax.nn.log_softmax(t_logits, axis=-1)
+  t_logp = jax.nn.log_softmax(model.forward_full(t_params, inputs, t_config)[0], axis=-1)
   kl = jnp.mean(jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1))
   return kl + ce_weight * ce, ce
 
 
 def make_optimizer(cfg: dict) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg["lr"], cfg["warmup_steps"], cfg["steps"],
+  """AdamW with linear warmup, cosine decay to 10%, and global-norm clipping."""
+  warmup = min(cfg["warmup_steps"], max(cfg["steps"] // 10, 1))  # short smoke runs still decay
+  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg["lr"], warmup, cfg["steps"],
                                                 end_value=cfg["lr"] * 0.1)
   return optax.chain(optax.clip_by_global_norm(cfg.get("clip", 1.0)),
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.get("weight_decay", 0.1)))
 
 
-def batches(stream: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator):
-  while True:
-    starts = rng.integers(0, len(stream) - seq_len - 1, size=batch)
-    yield np.stack([stream[s:s + seq_len + 1] for s in starts])
+def batch_at(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
+  """The batch of a given step: random windows drawn from (seed, step), so a resumed run sees the same data."""
+  starts = np.random.default_rng([seed, step]).integers(0, len(stream) - seq_len - 1, size=batch)
+  return np.stack([stream[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def load_shards(directory: pathlib.Path) -> dict[str, np.ndarray]:
+  if not data.shard_path(directory, "train").is_file():
+    raise SystemExit(f"no token shards in {directory}: run `python -m jspec.data --out {directory}` first")
+  return {s: np.load(data.shard_path(directory, s)) for s in ("train", "validation")}
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jspec.train")
   ap.add_argument("--config", required=True)
-  ap.add_argument("--steps", type=int, help="override the configured step count")
+  ap.add_argument("--steps", type=int, help="override the configured step count (smoke runs)")
+  ap.add_argument("--workdir", help="override the configured workdir")
   args = ap.parse_args(argv)
   cfg = json.loads(pathlib.Path(args.config).read_text())
-  tcfg = cfg["train"]
-  if args.steps:
-    tcfg["steps"] = args.steps
-  tok = byte_tokenizer()
-  eos = tok.token_to_id(EOS_TOKEN)
-  config = ModelConfig.from_dict({**cfg["model"], "eos_id": eos})
+  tcfg = dict(cfg["train"], **({"steps": args.steps} if args.steps else {}))
+  data_dir = pathlib.Path(cfg["data"])
+  tok = load_tokenizer(data_dir)
+  config = ModelConfig.from_dict({**cfg["model"], "vocab_size": tok.get_vocab_size(),
+                                  "eos_id": tok.token_to_id(EOS_TOKEN)})
   teacher = None
   if cfg.get("teacher"):
     t = checkpoint.load(cfg["teacher"])
+    if t.tokenizer.get_vocab() != tok.get_vocab():
+      raise SystemExit("the teacher's tokenizer differs from the data's")
     teacher = (t.params, t.config)
+  shards = load_shards(data_dir)
+  print(f"{config.n_layers} layers, width {config.dim}: {sum(x.size for x in jax.tree.leaves(model.init_params(config, jax.random.PRNGKey(0)))):,} parameters; "
+        f"train {len(shards['train']):,} tokens, validation {len(shards['validation']):,}", flush=True)
 
-  print(f"reading the corpus under {data.stdlib_root().name}/ ...", flush=True)
-  train_stream = data.token_stream(data.read_texts("train"), lambda s: encode(tok, s), eos)
-  val_stream = data.token_stream(data.read_texts("validation"), lambda s: encode(tok, s), eos)
-  print(f"train {len(train_stream):,} tokens, validation {len(val_stream):,}", flush=True)
-
-  params = model.init_params(config, jax.random.PRNGKey(tcfg.get("seed", 0)))
   opt = make_optimizer(tcfg)
-  opt_state = opt.init(params)
+  seed = tcfg.get("seed", 0)
+  params = model.init_params(config, jax.random.PRNGKey(seed))
+  state = {"params": params, "opt_state": opt.init(params)}
+  workdir = pathlib.Path(args.workdir or cfg["workdir"]).absolute()
+  manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(
+      max_to_keep=2, save_interval_steps=tcfg.get("save_every", 200)))
+  start_step = 0
+  if manager.latest_step() is not None:
+    start_step = manager.latest_step()
+    state = manager.restore(start_step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+    print(f"resumed from step {start_step} in {workdir}", flush=True)
   ce_weight = cfg.get("ce_weight", 1.0)
 
   @jax.jit
-  def train_step(params, opt_state, batch):
-    (loss, ce), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, config, teacher, ce_weight)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, ce
+  def train_step(state, batch):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, ce), grads = grad_fn(state["params"], batch, config, teacher, ce_weight)
+    updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
 
-  @jax.jit
-  def eval_ce(params, batch):
-    return loss_fn(params, batch, config)[1]
+  eval_ce = jax.jit(lambda params, batch: loss_fn(params, batch, config)[1])
+  val_batches = [batch_at(shards["validation"], i, tcfg["batch"], tcfg["seq_len"], seed + 1) for i in range(8)]
+  validate = lambda: float(np.mean([eval_ce(state["params"], b) for b in val_batches]))
 
-  rng = np.random.default_rng(tcfg.get("seed", 0))
-  train_it = batches(train_stream, tcfg["batch"], tcfg["seq_len"], rng)
-  val_batches = list(zip(range(8), batches(val_stream, tcfg["batch"], tcfg["seq_len"], np.random.default_rng(1))))
-  bar = tqdm(range(tcfg["steps"]), desc="train")
   tokens_per_step = tcfg["batch"] * tcfg["seq_len"]
-  start = time.perf_counter()
-  val = float("nan")
+  bar = tqdm(range(start_step, tcfg["steps"]), desc="train", initial=start_step, total=tcfg["steps"])
+  start, val, history = time.perf_counter(), float("nan"), []
   for step in bar:
-    params, opt_state, loss, ce = train_step(params, opt_state, next(train_it))
-    if (step + 1) % tcfg.get("eval_every", 200) == 0 or step + 1 == tcfg["steps"]:
-      val = float(np.mean([eval_ce(params, b) for _, b in val_batches]))
-    if step % 10 == 0:
-      bar.set_postfix(loss=f"{float(loss):.3f}", val_ce=f"{val:.3f}",
-                      tok_s=f"{tokens_per_step * (step + 1) / (time.perf_counter() - start):.0f}")
+    state, loss = train_step(state, batch_at(shards["train"], step, tcfg["batch"], tcfg["seq_len"], seed))
+    done = step + 1
+    if done % tcfg.get("eval_every", 200) == 0 or done == tcfg["steps"]:
+      val = validate()
+      history.append({"step": done, "validation_ce": val})
+    manager.save(done, args=ocp.args.StandardSave(state))
+    if step % 10 == 0 or done == tcfg["steps"]:
+      rate = tokens_per_step * (done - start_step) / (time.perf_counter() - start)
+      bar.set_postfix(loss=f"{float(loss):.3f}", val_ce=f"{val:.3f}", tok_s=f"{rate:.0f}")
+  manager.wait_until_finished()
   out = pathlib.Path(cfg["out"])
-  checkpoint.save(checkpoint.Model(config, params, tok), out)
-  (out / "train_log.json").write_text(json.dumps({"validation_ce": val, "steps": tcfg["steps"],
-                                                  "wall_seconds": time.perf_counter() - start}, indent=2))
+  checkpoint.save(checkpoint.Model(config, state["params"], tok), out, storage_dtype="bfloat16")
+  val = validate()
+  log = {"validation_ce": val, "steps": tcfg["steps"], "tokens_seen": tcfg["steps"] * tokens_per_step,
+         "wall_seconds_this_run": time.perf_counter() - start, "history": history}
+  (out / "train_log.json").write_text(json.dumps(log, indent=2))
   print(f"saved {out}: validation cross-entropy {val:.3f} nats/token")
   return 0
 
