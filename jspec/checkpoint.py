@@ -38,10 +38,16 @@ def save(m: Model, path: str | pathlib.Path, storage_dtype: str | None = None) -
 
 
 def load(path: str | pathlib.Path) -> Model:
-  """Loads a jspec checkpoint directory. Every problem is a one-line ValueError."""
+  """Loads a jspec checkpoint directory or a Hugging Face model directory (llama, qwen2, mistral).
+
+  Every problem is a one-line ValueError.
+  """
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise ValueError(f"{path}: no such checkpoint directory")
+  from jspec import hf  # hf imports this module for Model
+  if hf.is_hf_dir(path):
+    return hf.load_hf(path)
   try:
     config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
   except FileNotFoundError:

@@ -1,0 +1,121 @@
+"""Hugging Face model directories (llama, qwen2, mistral) read without torch.
+
+Reads `config.json`, `model.safetensors` or the shards named by `model.safetensors.index.json`, and
+`tokenizer.json`. HF checkpoints already store q/k projections in the rotate-half RoPE layout that
+`jspec.model.rope` uses, so the weights map over with a transpose and no permutation.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jspec.checkpoint import Model
+from jspec.config import ModelConfig
+from jspec.tokenizer import load_tokenizer
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+
+def is_hf_dir(path: pathlib.Path) -> bool:
+  try:
+    return "model_type" in json.loads((pathlib.Path(path) / "config.json").read_text())
+  except (OSError, json.JSONDecodeError):
+    return False
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+  model_type = hf.get("model_type")
+  if model_type not in SUPPORTED:
+    raise ValueError(f"unsupported model_type {model_type!r}: jspec reads {', '.join(SUPPORTED)}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: only silu (SwiGLU)")
+  # transformers 5 keeps RoPE settings in `rope_parameters`; older files use rope_theta / rope_scaling.
+  rope = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+  if scaling:
+    raise ValueError(f"unsupported RoPE scaling {scaling!r}")
+  if hf.get("mlp_bias") or hf.get("attention_bias"):
+    raise ValueError("unsupported: attention_bias or mlp_bias (qwen2's q/k/v bias is supported)")
+  heads = hf["num_attention_heads"]
+  context = hf.get("max_position_embeddings", 4096)
+  # Mistral attends over a sliding window; capping the context at it keeps jspec's full attention exact.
+  if model_type == "mistral" and hf.get("sliding_window"):
+    context = min(context, hf["sliding_window"])
+  if model_type == "qwen2" and hf.get("use_sliding_window"):
+    raise ValueError("unsupported: qwen2 with use_sliding_window")
+  eos = hf.get("eos_token_id")
+  return ModelConfig(
+      vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+      n_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
+      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qkv_bias=model_type == "qwen2",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), max_seq_len=context,
+      bos_id=hf.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """Every tensor in one .safetensors file, as numpy arrays (an 8-byte header size, JSON, raw data)."""
+  raw = path.read_bytes()
+  size = int.from_bytes(raw[:8], "little")
+  header = json.loads(raw[8:8 + size])
+  tensors = {}
+  for name, meta in header.items():
+    if name == "__metadata__":
+      continue
+    if meta["dtype"] not in _DTYPES:
+      raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {meta['dtype']}")
+    start, end = meta["data_offsets"]
+    buf = raw[8 + size + start:8 + size + end]
+    tensors[name] = np.frombuffer(buf, dtype=_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+  return tensors
+
+
+def _read_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
+  index = path / "model.safetensors.index.json"
+  files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+      ["model.safetensors"]
+  tensors = {}
+  for f in files:
+    if not (path / f).is_file():
+      raise ValueError(f"{path}: missing weights file {f}")
+    tensors.update(read_safetensors(path / f))
+  return tensors
+
+
+def load_hf(path: str | pathlib.Path) -> Model:
+  path = pathlib.Path(path).absolute()
+  hf = json.loads((path / "config.json").read_text())
+  config = config_from_hf(hf)
+  tokenizer = load_tokenizer(path)
+  tensors = _read_weights(path)
+  dtype = config.jnp_dtype
+
+  def take(name: str, transpose: bool = False) -> jnp.ndarray:
+    if name not in tensors:
+      raise ValueError(f"{path}: tensor {name} is missing from the safetensors files")
+    x = np.asarray(tensors[name], np.float32)
+    return jnp.asarray(x.T if transpose else x, dtype)
+
+  layers = []
+  for i in range(config.n_layers):
+    pre = f"model.layers.{i}."
+    layer = dict(attn_norm=take(pre + "input_layernorm.weight"),
+                 wq=take(pre + "self_attn.q_proj.weight", True), wk=take(pre + "self_attn.k_proj.weight", True),
+                 wv=take(pre + "self_attn.v_proj.weight", True), wo=take(pre + "self_attn.o_proj.weight", True),
+                 mlp_norm=take(pre + "post_attention_layernorm.weight"),
+                 w_gate=take(pre + "mlp.gate_proj.weight", True), w_up=take(pre + "mlp.up_proj.weight", True),
+                 w_down=take(pre + "mlp.down_proj.weight", True))
+    if config.qkv_bias:
+      layer.update(bq=take(pre + "self_attn.q_proj.bias"), bk=take(pre + "self_attn.k_proj.bias"),
+                   bv=take(pre + "self_attn.v_proj.bias"))
+    layers.append(layer)
+  params = dict(embed=take("model.embed_tokens.weight"), layers=layers, final_norm=take("model.norm.weight"))
+  if not config.tie_embeddings:
+    params["lm_head"] = take("lm_head.weight", True)
+  return Model(config=config, params=params, tokenizer=tokenizer)
