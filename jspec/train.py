@@ -110,6 +110,8 @@ def main(argv=None) -> int:
   tokens_per_step = tcfg["batch"] * tcfg["seq_len"]
   bar = tqdm(range(start_step, tcfg["steps"]), desc="train", initial=start_step, total=tcfg["steps"])
   start, val, history = time.perf_counter(), float("nan"), []
+  if start_step == 0:
+    history.append({"step": 0, "validation_ce": validate()})
   for step in bar:
     state, loss = train_step(state, batch_at(shards["train"], step, tcfg["batch"], tcfg["seq_len"], seed))
     done = step + 1

@@ -1,0 +1,71 @@
+"""Corpus split, BPE round trip, and training smoke runs: the loss goes down, distillation works, resume works."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import jspec
+from jspec import data, tokenizer, train
+
+TINY_MODEL = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "mlp_dim": 64,
+              "max_seq_len": 256}
+
+
+def test_split_is_deterministic_and_about_96_2_2():
+  splits = [data.split_of(f"pkg/module_{i}.py") for i in range(5000)]
+  share = {s: splits.count(s) / len(splits) for s in ("train", "validation", "heldout")}
+  assert 0.94 < share["train"] < 0.98 and 0.01 < share["validation"] < 0.03 and 0.01 < share["heldout"] < 0.03
+  assert splits == [data.split_of(f"pkg/module_{i}.py") for i in range(5000)]
+  assert not set(data.corpus_files("heldout")) & set(data.corpus_files("validation"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """A small BPE and token shards from part of the real corpus."""
+  out = tmp_path_factory.mktemp("data")
+  texts = data.read_texts("validation")[:40]
+  tok = tokenizer.train_bpe(texts, 600)
+  tok.save(str(out / "tokenizer.json"))
+  eos = tok.token_to_id(tokenizer.EOS_TOKEN)
+  stream = data.token_stream(texts, lambda t: tokenizer.encode(tok, t), eos).astype(np.uint16)
+  for split in ("train", "validation"):
+    np.save(data.shard_path(out, split), stream)
+  return out
+
+
+def test_bpe_round_trips_source_exactly(data_dir):
+  tok = tokenizer.load_tokenizer(data_dir)
+  for text in data.read_texts("heldout")[:20] + ["\tdef f(x):\n        return  x  \n\n\n  # é 你好\r\n"]:
+    assert tokenizer.decode(tok, tokenizer.encode(tok, text)) == text
+
+
+def _config(tmp_path, name, steps, **extra):
+  cfg = {"model": TINY_MODEL, "data": str(tmp_path / "data"), "workdir": str(tmp_path / f"run-{name}"),
+         "out": str(tmp_path / name),
+         "train": {"steps": steps, "batch": 4, "seq_len": 32, "lr": 0.01, "warmup_steps": 2, "eval_every": 10,
+                   "save_every": 10}, **extra}
+  path = tmp_path / f"{name}.json"
+  path.write_text(json.dumps(cfg))
+  return path
+
+
+def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
+  (tmp_path / "data").symlink_to(data_dir)
+  assert train.main(["--config", str(_config(tmp_path, "target", 20))]) == 0
+  log = json.loads((tmp_path / "target" / "train_log.json").read_text())
+  assert log["history"][0]["step"] == 0
+  assert log["history"][-1]["validation_ce"] < log["history"][0]["validation_ce"] - 0.5
+  target = jspec.load(tmp_path / "target")
+  assert len(jspec.generate(target, ["def f("], max_new_tokens=5).token_ids[0]) >= 1
+
+  # Resume: a second run of the same config with more steps starts from the saved step.
+  assert train.main(["--config", str(_config(tmp_path, "target", 30))]) == 0
+  log2 = json.loads((tmp_path / "target" / "train_log.json").read_text())
+  assert [h["step"] for h in log2["history"]] == [30]
+
+  draft_cfg = _config(tmp_path, "draft", 20, teacher=str(tmp_path / "target"), ce_weight=0.1)
+  assert train.main(["--config", str(draft_cfg)]) == 0
+  draft = jspec.load(tmp_path / "draft")
+  r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=16, draft_len=3)
+  assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=16).token_ids
