@@ -97,6 +97,46 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
   return call, steps
 
 
+def naive_step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int, steps: int = 32):
+  """The "before" of issue 8: one stacked `[N, B, T, K, Dh]` cache, a vmapped per-row update, and attention
+  over the whole capacity. XLA on the CPU copies the written buffer every step."""
+  tokens = jnp.ones((batch, 1), jnp.int32)
+  positions = jnp.full((batch, 1), used, jnp.int32)
+  lengths = jnp.full((batch,), used, jnp.int32)
+  write_row = jax.vmap(lambda buf, new, n: lax.dynamic_update_slice(buf, new, (n, 0, 0)))
+
+  def one(k_NxBxTxKxDh, v_NxBxTxKxDh):
+    caches = [k_NxBxTxKxDh, v_NxBxTxKxDh]
+
+    def attend(i, q, k, v):
+      caches[0] = caches[0].at[i].set(write_row(caches[0][i], k, lengths))
+      caches[1] = caches[1].at[i].set(write_row(caches[1][i], v, lengths))
+      keys = jnp.repeat(caches[0][i], config.n_heads // config.n_kv_heads, axis=2)
+      values = jnp.repeat(caches[1][i], config.n_heads // config.n_kv_heads, axis=2)
+      s = jnp.einsum("bqhd,bthd->bhqt", q, keys) * config.head_dim ** -0.5
+      s = jnp.where(jnp.arange(capacity) <= used, s, -jnp.inf)
+      return jnp.einsum("bhqt,bthd->bqhd", jax.nn.softmax(s, axis=-1), values)
+
+    hidden = model.trunk(params, tokens, positions, config, attend)
+    return model.logits_from_hidden(params, hidden), caches
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def run(k, v):
+    def body(i, c):
+      acc, k, v = c
+      logits, (k, v) = one(k, v)
+      return acc + logits[0, 0, 0], k, v
+    return lax.fori_loop(0, steps, body, (jnp.zeros(()), k, v))
+
+  shape = (config.n_layers, batch, capacity, config.n_kv_heads, config.head_dim)
+  state = [jnp.zeros(shape), jnp.zeros(shape)]
+
+  def call():
+    acc, state[0], state[1] = run(*state)
+    jax.block_until_ready(acc)
+  return call, steps
+
+
 def suite_step(repeats: int) -> dict:
   config = STEP_MODEL
   params = model.init_params(config, jax.random.PRNGKey(0))
@@ -110,10 +150,13 @@ def suite_step(repeats: int) -> dict:
       for name, seq, attn in [("step", 1, True), ("no_attention", 1, False), ("verify5", 5, True)]:
         fns[name], steps = step_loop(params, config, batch, capacity, used, seq, attn)
       fns["draft_step"], _ = step_loop(draft_params, draft_config, batch, capacity, used, 1, True)
+      fns["before_step"], _ = naive_step_loop(params, config, batch, capacity, used)
       t = {k: v / steps for k, v in interleaved(fns, repeats).items()}
       out["rows"].append({
           "capacity": capacity, "batch": batch, "used": used, "step_ms": t["step"] * 1e3,
           "no_attention_ms": t["no_attention"] * 1e3, "step_over_no_attention": t["step"] / t["no_attention"],
+          "before_step_ms": t["before_step"] * 1e3,
+          "before_over_no_attention": t["before_step"] / t["no_attention"],
           "verify5_over_step": t["verify5"] / t["step"], "c_draft_over_target": t["draft_step"] / t["step"],
           "param_ratio": num_params(draft_config) / num_params(config)})
       print(json.dumps(out["rows"][-1]), file=sys.stderr)
