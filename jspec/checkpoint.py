@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 from tokenizers import Tokenizer
 
 from jspec import model
-from jspec.config import ModelConfig
+from jspec.config import ModelConfig, default_dtype
 from jspec.tokenizer import load_tokenizer
 
 
@@ -37,19 +37,21 @@ def save(m: Model, path: str | pathlib.Path, storage_dtype: str | None = None) -
     ckptr.save(path / "params", params, force=True)
 
 
-def load(path: str | pathlib.Path) -> Model:
+def load(path: str | pathlib.Path, dtype: str | None = None) -> Model:
   """Loads a jspec checkpoint directory or a Hugging Face model directory (llama, qwen2, mistral).
 
+  Parameters and activations use `dtype`, by default fp32 on the CPU and bf16 on accelerators.
   Every problem is a one-line ValueError.
   """
+  dtype = dtype or default_dtype()
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise ValueError(f"{path}: no such checkpoint directory")
   from jspec import hf  # hf imports this module for Model
   if hf.is_hf_dir(path):
-    return hf.load_hf(path)
+    return hf.load_hf(path, dtype)
   try:
-    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    config = ModelConfig.from_dict({**json.loads((path / "config.json").read_text()), "dtype": dtype})
   except FileNotFoundError:
     raise ValueError(f"{path}: no config.json") from None
   except (json.JSONDecodeError, TypeError, ValueError) as e:

@@ -5,6 +5,7 @@ import dataclasses
 import json
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -46,6 +47,11 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"unknown model config fields: {sorted(unknown)}")
     return cls(**d)
+
+
+def default_dtype() -> str:
+  """fp32 on the CPU (where bf16 matmuls are several times slower), bf16 on accelerators."""
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def num_params(config: ModelConfig) -> int:

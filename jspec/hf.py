@@ -28,7 +28,7 @@ def is_hf_dir(path: pathlib.Path) -> bool:
     return False
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED:
     raise ValueError(f"unsupported model_type {model_type!r}: jspec reads {', '.join(SUPPORTED)}")
@@ -56,7 +56,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       qkv_bias=model_type == "qwen2",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), max_seq_len=context,
-      bos_id=hf.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos)
+      bos_id=hf.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos, dtype=dtype)
 
 
 def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -88,10 +88,10 @@ def _read_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
   return tensors
 
 
-def load_hf(path: str | pathlib.Path) -> Model:
+def load_hf(path: str | pathlib.Path, dtype: str = "float32") -> Model:
   path = pathlib.Path(path).absolute()
   hf = json.loads((path / "config.json").read_text())
-  config = config_from_hf(hf)
+  config = config_from_hf(hf, dtype)
   tokenizer = load_tokenizer(path)
   tensors = _read_weights(path)
   dtype = config.jnp_dtype

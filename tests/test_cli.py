@@ -39,6 +39,13 @@ def test_save_load_round_trip(ckpts):
   a = jspec.generate(loaded, ["hello"], max_new_tokens=8)
   b = jspec.generate(original, ["hello"], max_new_tokens=8)
   assert a.token_ids == b.token_ids
+  # The accelerator default, bf16, runs the same code. (Greedy equality is not asserted: a K+1-token verify
+  # and a 1-token step round differently in bf16, so near-ties may flip.)
+  half = jspec.load(ckpts / "target", dtype="bfloat16")
+  assert jax.tree.leaves(half.params)[0].dtype == jax.numpy.bfloat16
+  draft = jspec.load(ckpts / "draft", dtype="bfloat16")
+  c = jspec.generate(half, ["hello"], draft=draft, max_new_tokens=8)
+  assert len(c.token_ids[0]) == 8 and c.stats["drafted_tokens"] > 0
 
 
 def _cli(ckpts, *args):

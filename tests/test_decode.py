@@ -125,3 +125,26 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
   assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
   alone = jspec.generate(target, PROMPTS[1:2], seed=[2], **kw)  # row 1 of seed 1 uses seed 2
   assert alone.token_ids[0] == a.token_ids[1]
+
+
+def test_chex_max_traces_on_the_pure_loop(pair):
+  """The pure entry point under a user's own jit: one trace for many requests of one shape."""
+  import chex
+  import jax.numpy as jnp
+
+  from jspec import engine
+  target, draft = pair
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def run(prompts, lens, temperature, seeds):
+    sp = engine.as_sampling(temperature, 0, 1.0, prompts.shape[0])
+    state = decode.init_state(prompts, lens, jnp.full((2,), 6), sp, seeds, 128, target.config, draft.config, 3)
+    state = state.replace(target_cache=decode.prefill(target.params, target.config, state.target_cache, prompts, lens),
+                          draft_cache=decode.prefill(draft.params, draft.config, state.draft_cache, prompts, lens))
+    return decode.speculative(target.params, draft.params, target.config, draft.config, 3, state).tokens
+
+  for i in range(3):
+    prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)
+    run(prompts, np.asarray([16, 3 + i], np.int32), np.float32(0.5 * i), np.asarray([i, i + 1], np.uint32))
