@@ -132,22 +132,25 @@ def _commit(state: DecodeState, candidates_BxC: jax.Array, num_candidates_B: jax
   return state.replace(tokens=tokens, seq_lens=state.seq_lens + num_new, done=done), num_new
 
 
+def _count_round(stats: DecodeStats, active_B: jax.Array, num_new_B: jax.Array) -> DecodeStats:
+  return stats.replace(rounds=stats.rounds + active_B.sum(), target_forwards=stats.target_forwards + 1,
+                       emitted=stats.emitted + num_new_B.sum())
+
+
 def _autoregressive_step(params: model.Params, config: ModelConfig, state: DecodeState) -> DecodeState:
   state, keys = _split_keys(state, 1)
   last = _gather(state.tokens, state.seq_lens[:, None] - 1)
   logits, _, cache = model.forward(params, last, state.seq_lens[:, None] - 1, state.target_cache, config)
   token = sample(keys[0], probabilities(logits, state.sampling)[:, 0])
   active = ~state.done
-  state, num_new = _commit(state.replace(target_cache=cache), token[:, None], jnp.ones_like(token))
-  st = state.stats
-  stats = st.replace(rounds=st.rounds + active.sum(), target_forwards=st.target_forwards + 1,
-                     emitted=st.emitted + num_new.sum())
-  return state.replace(target_cache=cache.rewind(state.seq_lens - 1), stats=stats)
+  state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
+  return state.replace(target_cache=cache.rewind(state.seq_lens - 1),
+                       stats=_count_round(state.stats, active, num_new))
 
 
-def _draft(params: model.Params, config: ModelConfig, state: DecodeState, keys_GxBx2: jax.Array,
-           draft_len: int) -> tuple[kvcache.KVCache, jax.Array, jax.Array]:
-  """Proposes `draft_len` tokens per row with the draft model. Returns (cache, tokens [B,G], q [B,G,V])."""
+def _draft(params: model.Params, config: ModelConfig, state: DecodeState,
+           keys_GxBx2: jax.Array) -> tuple[kvcache.KVCache, jax.Array, jax.Array]:
+  """Proposes one token per key and row with the draft model. Returns (cache, tokens [B,G], q [B,G,V])."""
   n = state.seq_lens
   cache = state.draft_cache
   d = cache.lengths  # n-1, or n-2 after a fully accepted round
@@ -156,19 +159,19 @@ def _draft(params: model.Params, config: ModelConfig, state: DecodeState, keys_G
   logits_Bx1xV = jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)
   cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
-  def step(carry, key_Bx2):
-    cache, logits_Bx1xV = carry
+  def propose(logits_Bx1xV, key_Bx2):
     q_BxV = probabilities(logits_Bx1xV, state.sampling)[:, 0]
-    token = sample(key_Bx2, q_BxV)
-    return token, q_BxV, cache
+    return sample(key_Bx2, q_BxV), q_BxV
 
   def body(carry, key_Bx2):
-    token, q_BxV, cache = step(carry, key_Bx2)
+    cache, logits_Bx1xV = carry
+    token, q_BxV = propose(logits_Bx1xV, key_Bx2)
     logits, _, cache = model.forward(params, token[:, None], cache.lengths[:, None], cache, config)
     return (cache, logits), (token, q_BxV)
 
+  # The last proposal needs no forward: the next round's two-token step feeds it if it is accepted.
   (cache, logits_Bx1xV), (tokens_GxB, q_GxBxV) = lax.scan(body, (cache, logits_Bx1xV), keys_GxBx2[:-1])
-  token, q_BxV, cache = step((cache, logits_Bx1xV), keys_GxBx2[-1])
+  token, q_BxV = propose(logits_Bx1xV, keys_GxBx2[-1])
   tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
   q_BxGxV = jnp.concatenate([jnp.moveaxis(q_GxBxV, 0, 1), q_BxV[:, None]], axis=1)
   return cache, tokens_BxG, q_BxGxV
@@ -178,7 +181,7 @@ def _speculative_step(target_params: model.Params, draft_params: model.Params, t
                       draft_config: ModelConfig, draft_len: int, state: DecodeState) -> DecodeState:
   state, keys = _split_keys(state, draft_len + 1)
   n = state.seq_lens
-  draft_cache, draft_BxG, q_BxGxV = _draft(draft_params, draft_config, state, keys[:draft_len], draft_len)
+  draft_cache, draft_BxG, q_BxGxV = _draft(draft_params, draft_config, state, keys[:draft_len])
 
   chunk = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), draft_BxG], axis=1)
   positions = n[:, None] - 1 + jnp.arange(draft_len + 1)
@@ -192,17 +195,14 @@ def _speculative_step(target_params: model.Params, draft_params: model.Params, t
   state, num_new = _commit(state, candidates, n_accepted + 1)
   new_n = state.seq_lens
 
-  st = state.stats
-  acc = jnp.where(active, n_accepted, 0)
-  rate = n_accepted / draft_len
+  st = _count_round(state.stats, active, num_new)
   stats = st.replace(
-      rounds=st.rounds + active.sum(), target_forwards=st.target_forwards + 1,
       draft_forwards=st.draft_forwards + draft_len, drafted=st.drafted + draft_len * active.sum(),
-      accepted=st.accepted + acc.sum(),
+      accepted=st.accepted + jnp.where(active, n_accepted, 0).sum(),
       accepted_at=st.accepted_at + jnp.sum(active[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0),
-      emitted=st.emitted + num_new.sum(),
-      acceptance_ewma=jnp.where(active, (1 - EWMA_WEIGHT) * st.acceptance_ewma + EWMA_WEIGHT * rate,
-                                st.acceptance_ewma))
+      acceptance_ewma=jnp.where(
+          active, (1 - EWMA_WEIGHT) * st.acceptance_ewma + EWMA_WEIGHT * n_accepted / draft_len,
+          st.acceptance_ewma))
   return state.replace(target_cache=target_cache.rewind(new_n - 1),
                        draft_cache=draft_cache.rewind(jnp.minimum(new_n - 1, n + draft_len - 1)), stats=stats)
 
