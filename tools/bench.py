@@ -183,8 +183,16 @@ def suite_loop(repeats: int) -> dict:
   return out
 
 
+def cost_ratio(target, draft, repeats: int) -> float:
+  """c: the draft's single-token step time over the target's, batch 1, 200 tokens in the cache."""
+  t = interleaved({"target": step_loop(target.params, target.config, 1, 512, 200, 1, True)[0],
+                   "draft": step_loop(draft.params, draft.config, 1, 512, 200, 1, True)[0]}, repeats)
+  return t["draft"] / t["target"]
+
+
 def suite_spec(target, draft, prompts, draft_lens, max_new: int, repeats: int) -> dict:
-  out = {"prompts": len(prompts), "max_new_tokens": max_new, "rows": []}
+  out = {"prompts": len(prompts), "max_new_tokens": max_new, "target_params": num_params(target.config),
+         "draft_params": num_params(draft.config), "c": cost_ratio(target, draft, repeats), "rows": []}
   for k in draft_lens:
     walls = {"ar": [], "spec": []}
     stats = []
@@ -202,7 +210,9 @@ def suite_spec(target, draft, prompts, draft_lens, max_new: int, repeats: int) -
     row = {"draft_len": k, "ar_tokens_per_second": tokens / sum(walls["ar"]),
            "spec_tokens_per_second": tokens / sum(walls["spec"]), "speedup": sum(walls["ar"]) / sum(walls["spec"]),
            "acceptance_rate": sum(s["accepted_tokens"] for s in stats) / sum(s["drafted_tokens"] for s in stats),
-           "tau": tokens / sum(s["rounds"] for s in stats)}
+           "tau": tokens / sum(s["rounds"] for s in stats),
+           "per_position_acceptance": [sum(s["per_position_acceptance"][i] * s["rounds"] for s in stats)
+                                       / sum(s["rounds"] for s in stats) for i in range(k)]}
     out["rows"].append(row)
     print(json.dumps(row), file=sys.stderr)
   return out
