@@ -20,7 +20,7 @@ from jax import lax
 from jspec import cache as kvcache
 from jspec import model
 from jspec.config import ModelConfig
-from jspec.sampling import SamplingParams, probabilities, sample
+from jspec.sampling import SamplingParams, is_greedy, probabilities, sample
 from jspec.verify import verify
 
 # How many times each loop was traced; tests assert this does not grow across requests of one bucket.
@@ -141,7 +141,7 @@ def _autoregressive_step(params: model.Params, config: ModelConfig, state: Decod
   state, keys = _split_keys(state, 1)
   last = _gather(state.tokens, state.seq_lens[:, None] - 1)
   logits, _, cache = model.forward(params, last, state.seq_lens[:, None] - 1, state.target_cache, config)
-  token = sample(keys[0], probabilities(logits, state.sampling)[:, 0])
+  token = sample(keys[0], probabilities(logits, state.sampling)[:, 0], is_greedy(state.sampling))
   active = ~state.done
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
   return state.replace(target_cache=cache.rewind(state.seq_lens - 1),
@@ -161,7 +161,7 @@ def _draft(params: model.Params, config: ModelConfig, state: DecodeState,
 
   def propose(logits_Bx1xV, key_Bx2):
     q_BxV = probabilities(logits_Bx1xV, state.sampling)[:, 0]
-    return sample(key_Bx2, q_BxV), q_BxV
+    return sample(key_Bx2, q_BxV, is_greedy(state.sampling)), q_BxV
 
   def body(carry, key_Bx2):
     cache, logits_Bx1xV = carry
@@ -187,7 +187,7 @@ def _speculative_step(target_params: model.Params, draft_params: model.Params, t
   positions = n[:, None] - 1 + jnp.arange(draft_len + 1)
   logits, _, target_cache = model.forward(target_params, chunk, positions, state.target_cache, target_config)
   p_BxG1xV = probabilities(logits, state.sampling)
-  n_accepted, next_token = verify(keys[draft_len], draft_BxG, q_BxGxV, p_BxG1xV)
+  n_accepted, next_token = verify(keys[draft_len], draft_BxG, q_BxGxV, p_BxG1xV, is_greedy(state.sampling))
 
   candidates = jnp.concatenate([draft_BxG, next_token[:, None]], axis=1)
   candidates = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], next_token[:, None], candidates)

@@ -13,9 +13,12 @@ import jax.numpy as jnp
 from jspec.sampling import sample
 
 
-def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
-           p_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token."""
+def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array, p_BxG1xV: jax.Array,
+           greedy: jax.Array | bool = False) -> tuple[jax.Array, jax.Array]:
+  """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token.
+
+  `greedy` says every row's p and q are one-hot; the result is the same, with fewer random draws.
+  """
   batch, num_draft = draft_BxG.shape
   accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
   p_x = jnp.take_along_axis(p_BxG1xV[:, :num_draft], draft_BxG[..., None], axis=-1)[..., 0]
@@ -32,4 +35,4 @@ def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
   total = residual.sum(-1, keepdims=True)
   # A zero residual means p == q at that position, where rejection has probability 0; fall back to p.
   residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_n)
-  return n_accepted, sample(residual_key, residual)
+  return n_accepted, sample(residual_key, residual, jnp.asarray(greedy))
