@@ -35,6 +35,8 @@ def save(m: Model, path: str | pathlib.Path, storage_dtype: str | None = None) -
   with ocp.StandardCheckpointer() as ckptr:
     params = m.params if storage_dtype is None else jax.tree.map(lambda x: x.astype(storage_dtype), m.params)
     ckptr.save(path / "params", params, force=True)
+  # orbax leaves a marker that spells out the absolute path; a shipped checkpoint must not carry it.
+  (path / "params" / "commit_success.txt").unlink(missing_ok=True)
 
 
 def load(path: str | pathlib.Path, dtype: str | None = None) -> Model:
