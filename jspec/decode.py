@@ -20,8 +20,8 @@ from jax import lax
 from jspec import cache as kvcache
 from jspec import model
 from jspec.config import ModelConfig
-from jspec.sampling import SamplingParams, is_greedy, probabilities, sample
-from jspec.verify import verify
+from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
+from jspec.verify import verify, verify_greedy
 
 # How many times each loop was traced; tests assert this does not grow across requests of one bucket.
 trace_counts: collections.Counter = collections.Counter()
@@ -141,7 +141,7 @@ def _autoregressive_step(params: model.Params, config: ModelConfig, state: Decod
   state, keys = _split_keys(state, 1)
   last = _gather(state.tokens, state.seq_lens[:, None] - 1)
   logits, _, cache = model.forward(params, last, state.seq_lens[:, None] - 1, state.target_cache, config)
-  token = sample(keys[0], probabilities(logits, state.sampling)[:, 0], is_greedy(state.sampling))
+  token = next_token(keys[0], logits[:, 0], state.sampling)
   active = ~state.done
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
   return state.replace(target_cache=cache.rewind(state.seq_lens - 1),
@@ -150,47 +150,49 @@ def _autoregressive_step(params: model.Params, config: ModelConfig, state: Decod
 
 def _draft(params: model.Params, config: ModelConfig, state: DecodeState,
            keys_GxBx2: jax.Array) -> tuple[kvcache.KVCache, jax.Array, jax.Array]:
-  """Proposes one token per key and row with the draft model. Returns (cache, tokens [B,G], q [B,G,V])."""
+  """Proposes one token per key and row with the draft model.
+
+  Returns (cache, tokens [B,G], logits [B,G,V]); each token was sampled from its logits' distribution.
+  """
   n = state.seq_lens
   cache = state.draft_cache
   d = cache.lengths  # n-1, or n-2 after a fully accepted round
   two = d[:, None] + jnp.arange(2)
   logits, _, cache = model.forward(params, _gather(state.tokens, two), two, cache, config)
-  logits_Bx1xV = jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)
+  logits_BxV = jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)[:, 0]
   cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
-  def propose(logits_Bx1xV, key_Bx2):
-    q_BxV = probabilities(logits_Bx1xV, state.sampling)[:, 0]
-    return sample(key_Bx2, q_BxV, is_greedy(state.sampling)), q_BxV
-
   def body(carry, key_Bx2):
-    cache, logits_Bx1xV = carry
-    token, q_BxV = propose(logits_Bx1xV, key_Bx2)
+    cache, logits_BxV = carry
+    token = next_token(key_Bx2, logits_BxV, state.sampling)
     logits, _, cache = model.forward(params, token[:, None], cache.lengths[:, None], cache, config)
-    return (cache, logits), (token, q_BxV)
+    return (cache, logits[:, 0]), (token, logits_BxV)
 
   # The last proposal needs no forward: the next round's two-token step feeds it if it is accepted.
-  (cache, logits_Bx1xV), (tokens_GxB, q_GxBxV) = lax.scan(body, (cache, logits_Bx1xV), keys_GxBx2[:-1])
-  token, q_BxV = propose(logits_Bx1xV, keys_GxBx2[-1])
+  (cache, logits_BxV), (tokens_GxB, logits_GxBxV) = lax.scan(body, (cache, logits_BxV), keys_GxBx2[:-1])
+  token = next_token(keys_GxBx2[-1], logits_BxV, state.sampling)
   tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
-  q_BxGxV = jnp.concatenate([jnp.moveaxis(q_GxBxV, 0, 1), q_BxV[:, None]], axis=1)
-  return cache, tokens_BxG, q_BxGxV
+  logits_BxGxV = jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)
+  return cache, tokens_BxG, logits_BxGxV
 
 
 def _speculative_step(target_params: model.Params, draft_params: model.Params, target_config: ModelConfig,
                       draft_config: ModelConfig, draft_len: int, state: DecodeState) -> DecodeState:
   state, keys = _split_keys(state, draft_len + 1)
   n = state.seq_lens
-  draft_cache, draft_BxG, q_BxGxV = _draft(draft_params, draft_config, state, keys[:draft_len])
+  draft_cache, draft_BxG, draft_logits = _draft(draft_params, draft_config, state, keys[:draft_len])
 
   chunk = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), draft_BxG], axis=1)
   positions = n[:, None] - 1 + jnp.arange(draft_len + 1)
   logits, _, target_cache = model.forward(target_params, chunk, positions, state.target_cache, target_config)
-  p_BxG1xV = probabilities(logits, state.sampling)
-  n_accepted, next_token = verify(keys[draft_len], draft_BxG, q_BxGxV, p_BxG1xV, is_greedy(state.sampling))
+  # q and p go through the same transform; an all-greedy batch needs only argmaxes.
+  n_accepted, token = lax.cond(
+      is_greedy(state.sampling), lambda: verify_greedy(draft_BxG, logits),
+      lambda: verify(keys[draft_len], draft_BxG, probabilities(draft_logits, state.sampling),
+                     probabilities(logits, state.sampling)))
 
-  candidates = jnp.concatenate([draft_BxG, next_token[:, None]], axis=1)
-  candidates = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], next_token[:, None], candidates)
+  candidates = jnp.concatenate([draft_BxG, token[:, None]], axis=1)
+  candidates = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], token[:, None], candidates)
   active = ~state.done
   state, num_new = _commit(state, candidates, n_accepted + 1)
   new_n = state.seq_lens

@@ -38,29 +38,26 @@ def probabilities(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
   """The distribution each row samples from at each of S positions, fp32 [B,S,V]."""
   logits_BxSxV = logits_BxSxV.astype(jnp.float32)
   temperature = params.temperature[:, None, None]
+  scaled = logits_BxSxV / jnp.where(temperature > 0, temperature, 1.0)
+  filtering = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
+  # Sorting V logits is the costly part; skip it when no row asks for it.
+  scaled = lax.cond(filtering, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p)
   greedy = jax.nn.one_hot(jnp.argmax(logits_BxSxV, axis=-1), logits_BxSxV.shape[-1], dtype=jnp.float32)
-
-  def tempered(logits):
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    filtering = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
-    # Sorting V logits is the costly part; skip it when no row asks for it.
-    scaled = lax.cond(filtering, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p)
-    return jnp.where(temperature > 0, jax.nn.softmax(scaled, axis=-1), greedy)
-
-  return lax.cond(is_greedy(params), lambda _: greedy, tempered, logits_BxSxV)
+  return jnp.where(temperature > 0, jax.nn.softmax(scaled, axis=-1), greedy)
 
 
 def is_greedy(params: SamplingParams) -> jax.Array:
-  """True when every row decodes greedily, so sampling reduces to argmax and needs no random draws."""
+  """True when every row decodes greedily: sampling is then an argmax, with no distributions or draws."""
   return jnp.all(params.temperature == 0)
 
 
-def sample(keys_B: jax.Array, probs_BxV: jax.Array, greedy: jax.Array) -> jax.Array:
-  """One token per row from its own key, so a row's draws do not depend on the rest of the batch.
+def sample(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
+  """One token per row from its own key, so a row's draws do not depend on the rest of the batch."""
+  logp = jnp.log(probs_BxV)
+  return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys_B, logp).astype(jnp.int32)
 
-  With `greedy` (every row's distribution is one-hot) this is the argmax, without drawing random numbers.
-  """
-  def draw(probs):
-    logp = jnp.log(probs)
-    return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys_B, logp).astype(jnp.int32)
-  return lax.cond(greedy, lambda probs: jnp.argmax(probs, axis=-1).astype(jnp.int32), draw, probs_BxV)
+
+def next_token(keys_B: jax.Array, logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
+  """Samples one token per row from its logits; an argmax when the whole batch is greedy."""
+  return lax.cond(is_greedy(params), lambda: jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32),
+                  lambda: sample(keys_B, probabilities(logits_BxV[:, None], params)[:, 0]))

@@ -13,12 +13,9 @@ import jax.numpy as jnp
 from jspec.sampling import sample
 
 
-def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array, p_BxG1xV: jax.Array,
-           greedy: jax.Array | bool = False) -> tuple[jax.Array, jax.Array]:
-  """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token.
-
-  `greedy` says every row's p and q are one-hot; the result is the same, with fewer random draws.
-  """
+def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
+           p_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token."""
   batch, num_draft = draft_BxG.shape
   accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
   p_x = jnp.take_along_axis(p_BxG1xV[:, :num_draft], draft_BxG[..., None], axis=-1)[..., 0]
@@ -35,4 +32,11 @@ def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array, p_BxG1xV
   total = residual.sum(-1, keepdims=True)
   # A zero residual means p == q at that position, where rejection has probability 0; fall back to p.
   residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_n)
-  return n_accepted, sample(residual_key, residual, jnp.asarray(greedy))
+  return n_accepted, sample(residual_key, residual)
+
+
+def verify_greedy(draft_BxG: jax.Array, target_logits_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`verify` for a batch where every row is greedy (one-hot p and q), computed from argmaxes alone."""
+  best_BxG1 = jnp.argmax(target_logits_BxG1xV, axis=-1).astype(jnp.int32)
+  n_accepted = jnp.sum(jnp.cumprod(draft_BxG == best_BxG1[:, :-1], axis=1), axis=1).astype(jnp.int32)
+  return n_accepted, jnp.take_along_axis(best_BxG1, n_accepted[:, None], axis=1)[:, 0]
