@@ -2,7 +2,8 @@
 
 Rows with temperature 0 get the one-hot of the argmax. Greedy decoding is then just sampling from a one-hot,
 and the same rejection rule serves both: a one-hot p accepts a draft token iff it is the argmax, and its
-residual is the argmax again.
+residual is the argmax again. When the whole batch is greedy, the loops skip the distributions altogether
+and work on argmaxes (`next_token`, `verify.verify_greedy`), which give the same tokens.
 """
 from __future__ import annotations
 

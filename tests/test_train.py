@@ -1,6 +1,5 @@
 """Corpus split, BPE round trip, and training smoke runs: the loss goes down, distillation works, resume works."""
 import json
-import pathlib
 
 import numpy as np
 import pytest
