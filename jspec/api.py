@@ -78,9 +78,12 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *, draft: Mo
   prompts_BxP = np.zeros((batch, width), np.int32)
   for b, ids in enumerate(prompt_ids):
     prompts_BxP[b, :len(ids)] = ids
-  seeds = np.asarray(seed if not isinstance(seed, int) else [seed + b for b in range(batch)], np.uint32)
-  if seeds.shape != (batch,):
-    raise ValueError(f"got {seeds.size} seeds for {batch} prompts")
+  seeds = [seed + b for b in range(batch)] if isinstance(seed, int) else [int(s) for s in seed]
+  if len(seeds) != batch:
+    raise ValueError(f"got {len(seeds)} seeds for {batch} prompts")
+  if not all(0 <= s < 2 ** 32 for s in seeds):
+    raise ValueError("seeds must be in [0, 2**32)")
+  seeds = np.asarray(seeds, np.uint32)
   args = (target.params, None if draft is None else draft.params, prompts_BxP,
           np.asarray([len(p) for p in prompt_ids], np.int32), np.full((batch,), max_new_tokens, np.int32),
           engine.as_sampling(temperature, top_k, top_p, batch), seeds)

@@ -18,7 +18,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--draft", default=None, help="draft checkpoint dir (default: the shipped draft when the "
                                                "target is the shipped one)")
   p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
-  p.add_argument("--prompt-file", help="one prompt per line, or JSONL with a \"prompt\" field")
+  p.add_argument("--prompt-file", help="one prompt per line (write a newline inside a prompt as \\n), "
+                                       "or JSONL with a \"prompt\" field")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")

@@ -64,6 +64,7 @@ BAD = [
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--top-k", "-2"], "top_k must be >= 0"),
     (["--draft-len", "0"], "draft_len must be >= 1"),
+    (["--seed", "-1"], "seeds must be in [0, 2**32)"),
     (["--draft", "{root}/draft-vocab"], "draft vocab size 300 differs"),
     ([], "no prompt given"),
 ]
