@@ -3,8 +3,8 @@
 Layout (per layer): `k, v: [B*K, T, Dh]`, batch-major then kv-head. One flat leading axis is what the
 attention matmul consumes directly. A `[B, T, K, Dh]` or `[B, K, T, Dh]` buffer needs a reshape before the
 matmul, and XLA on the CPU fuses that reshape with the in-loop update and then copies the whole buffer
-every step (see tests/test_hlo.py). Each layer has its own buffer for the same reason: a slice of a stacked
-`[N, ...]` buffer is another copy.
+every step (see tests/test_hlo.py). Each layer has its own buffer, so no slice of a stacked `[N, ...]`
+buffer stands between the update and the matmul either.
 
 Row b holds its tokens in slots `[0, lengths[b])`. Writing S new tokens puts them at `lengths[b]`;
 anything past a row's length is stale and masked out, so rollback is only a smaller `lengths`.
@@ -28,14 +28,6 @@ class KVCache:
   k: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
   v: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
   lengths: jax.Array  # [B] int32: slots in use in each row
-
-  @property
-  def batch(self) -> int:
-    return self.lengths.shape[0]
-
-  @property
-  def capacity(self) -> int:
-    return self.k[0].shape[1]
 
   def rewind(self, lengths_B: jax.Array) -> "KVCache":
     """Rolls each row back (or forward over slots already written) to `lengths_B`. Nothing is copied."""
