@@ -9,7 +9,7 @@ import pytest
 
 import jspec
 from jspec import model, sampling, testing
-from jspec.verify import verify
+from jspec.verify import verify, verify_greedy
 
 VOCAB = 8
 TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=VOCAB, eos_id=None)
@@ -112,4 +112,7 @@ def test_verify_greedy_cases():
   keys = jax.random.split(jax.random.PRNGKey(0), 1)
   for drafts, want_n, want_next in [([2, 4], 2, 1), ([2, 5], 1, 4), ([0, 4], 0, 2)]:
     n, nxt = verify(keys, jnp.asarray([drafts]), onehot([drafts]), p)
+    assert (int(n[0]), int(nxt[0])) == (want_n, want_next)
+    # The all-greedy shortcut works from logits whose argmax is p's one-hot, and must agree.
+    n, nxt = verify_greedy(jnp.asarray([drafts]), p * 3.0 + 0.5)
     assert (int(n[0]), int(nxt[0])) == (want_n, want_next)
