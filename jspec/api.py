@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jspec import cache as kvcache
-from jspec import decode, engine
+from jspec import decode, drafters, engine
 from jspec.checkpoint import Model
 from jspec.tokenizer import decode as detokenize
 from jspec.tokenizer import encode
@@ -22,16 +22,8 @@ class Result:
   stats: dict[str, Any]
 
 
-def _check_pair(target: Model, draft: Model) -> None:
-  if draft.config.vocab_size != target.config.vocab_size:
-    raise ValueError(f"draft vocab size {draft.config.vocab_size} differs from the target's "
-                     f"{target.config.vocab_size}")
-  if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-    raise ValueError("the draft's tokenizer differs from the target's")
-
-
 def check_request(target: Model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float,
-                  top_k: int, top_p: float, draft: Model | None, draft_len: int) -> None:
+                  top_k: int, top_p: float, drafter: drafters.Drafter | None, draft_len: int) -> None:
   """Raises ValueError with one clear line for anything the loop cannot serve."""
   if not prompt_ids:
     raise ValueError("no prompts given")
@@ -43,12 +35,9 @@ def check_request(target: Model, prompt_ids: list[list[int]], max_new_tokens: in
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
   if top_k < 0:
     raise ValueError(f"top_k must be >= 0, got {top_k}")
-  if draft is not None:
-    if draft_len < 1:
-      raise ValueError(f"draft_len must be >= 1, got {draft_len}")
-    _check_pair(target, draft)
-  context = target.config.max_seq_len if draft is None else min(target.config.max_seq_len,
-                                                                  draft.config.max_seq_len)
+  context = target.config.max_seq_len
+  if isinstance(drafter, drafters.ModelDrafter):
+    context = min(context, drafter.config.max_seq_len)
   for i, ids in enumerate(prompt_ids):
     if not ids:
       raise ValueError(f"prompt {i} is empty")
@@ -59,19 +48,27 @@ def check_request(target: Model, prompt_ids: list[list[int]], max_new_tokens: in
                        f"the model's context of {context} tokens")
 
 
-def generate(target: Model, prompts: Sequence[str | Sequence[int]], *, draft: Model | None = None,
+def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
+             draft: Model | drafters.Heads | None = None, drafter: str | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             draft_len: int = 4, seed: int | Sequence[int] = 0) -> Result:
-  """Decodes a batch of prompts (texts or token-id lists), speculatively when `draft` is given.
+             draft_len: int = 4, max_ngram: int = 3, seed: int | Sequence[int] = 0) -> Result:
+  """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
-  Row b samples with `seed + b` (or `seed[b]` when a list is given), so a row is reproducible alone.
+  `draft` is a draft model or trained Medusa/EAGLE heads (`jspec.load` returns either); `drafter="ngram"`
+  needs no weights. With neither, decoding is plain autoregression. Row b samples with `seed + b` (or
+  `seed[b]` when a list is given), so a row is reproducible alone.
   """
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]
   prompt_ids = [encode(target.tokenizer, p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-  check_request(target, prompt_ids, max_new_tokens, temperature, top_k, top_p, draft, draft_len)
+  if (draft is not None or drafter is not None) and draft_len < 1:
+    raise ValueError(f"draft_len must be >= 1, got {draft_len}")
+  if max_ngram < 1:
+    raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+  chosen, drafter_params = drafters.resolve(target, draft, drafter, max_ngram, draft_len)
+  check_request(target, prompt_ids, max_new_tokens, temperature, top_k, top_p, chosen, draft_len)
   batch = len(prompt_ids)
-  draft_len = draft_len if draft is not None else 0
+  draft_len = draft_len if chosen is not None else 0
   width = engine.prompt_bucket(max(len(p) for p in prompt_ids))
   capacity = kvcache.round_capacity(decode.required_capacity(width, max_new_tokens, draft_len))
 
@@ -84,11 +81,10 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *, draft: Mo
   if not all(0 <= s < 2 ** 32 for s in seeds):
     raise ValueError("seeds must be in [0, 2**32)")
   seeds = np.asarray(seeds, np.uint32)
-  args = (target.params, None if draft is None else draft.params, prompts_BxP,
+  args = (target.params, drafter_params, prompts_BxP,
           np.asarray([len(p) for p in prompt_ids], np.int32), np.full((batch,), max_new_tokens, np.int32),
           engine.as_sampling(temperature, top_k, top_p, batch), seeds)
-  static = dict(target_config=target.config, draft_config=None if draft is None else draft.config,
-                draft_len=draft_len, capacity=capacity)
+  static = dict(target_config=target.config, drafter=chosen, draft_len=draft_len, capacity=capacity)
   executable, compile_seconds = engine.compiled_run(args, static)
   start = time.perf_counter()
   tokens, seq_lens, stats = jax.block_until_ready(executable(*args))
@@ -98,19 +94,22 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *, draft: Mo
   token_ids = [tokens[b, len(p):seq_lens[b]].tolist() for b, p in enumerate(prompt_ids)]
   texts = [detokenize(target.tokenizer, ids) for ids in token_ids]
   return Result(texts=texts, token_ids=token_ids,
-                stats=summarize(stats, wall, compile_seconds, speculative=draft is not None))
+                stats=summarize(stats, wall, compile_seconds, None if chosen is None else chosen.kind))
 
 
 def summarize(stats: decode.DecodeStats, wall_seconds: float, compile_seconds: float,
-              speculative: bool) -> dict[str, Any]:
+              drafter: str | None) -> dict[str, Any]:
   s = jax.tree.map(np.asarray, stats)
+  speculative = drafter is not None
   drafted, rounds, emitted = int(s.drafted), int(s.rounds), int(s.emitted)
   return {
+      "drafter": drafter,
       "acceptance_rate": float(s.accepted) / drafted if drafted else None,
       "mean_accepted_length": emitted / rounds if rounds else None,
       "rounds": rounds,
       "target_forwards": int(s.target_forwards),
       "draft_forwards": int(s.draft_forwards),
+      "plain_forwards": int(s.plain_forwards),
       "drafted_tokens": drafted,
       "accepted_tokens": int(s.accepted),
       "emitted_tokens": emitted,

@@ -32,15 +32,43 @@ def save(m: Model, path: str | pathlib.Path, storage_dtype: str | None = None) -
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.json").write_text(m.config.to_json())
   m.tokenizer.save(str(path / "tokenizer.json"))
+  save_params(m.params, path, storage_dtype)
+
+
+def save_params(params: model.Params, path: pathlib.Path, storage_dtype: str | None = None) -> None:
+  """Writes `path/params` with orbax, optionally cast to `storage_dtype`."""
   with ocp.StandardCheckpointer() as ckptr:
-    params = m.params if storage_dtype is None else jax.tree.map(lambda x: x.astype(storage_dtype), m.params)
+    params = params if storage_dtype is None else jax.tree.map(lambda x: x.astype(storage_dtype), params)
     ckptr.save(path / "params", params, force=True)
   # orbax leaves a marker that spells out the absolute path; a shipped checkpoint must not carry it.
   (path / "params" / "commit_success.txt").unlink(missing_ok=True)
 
 
-def load(path: str | pathlib.Path, dtype: str | None = None) -> Model:
-  """Loads a jspec checkpoint directory or a Hugging Face model directory (llama, qwen2, mistral).
+def restore_params(path: pathlib.Path, init_fn) -> model.Params:
+  """Restores `path/params` into the structure, shapes and dtypes that `init_fn()` would produce."""
+  abstract = jax.eval_shape(init_fn)
+  if not (path / "params").is_dir():
+    raise ValueError(f"{path}: no params/ directory")
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      params = ckptr.restore(path / "params", abstract)
+  except Exception as e:  # orbax raises many types for missing or corrupt files
+    raise ValueError(f"{path}: cannot restore parameters ({_one_line(e)})") from None
+  return jax.tree.map(jnp.asarray, params)
+
+
+def read_json(path: pathlib.Path) -> dict:
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    raise ValueError(f"{path.parent}: no {path.name}") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: invalid JSON ({_one_line(e)})") from None
+
+
+def load(path: str | pathlib.Path, dtype: str | None = None):
+  """Loads a jspec checkpoint directory (a model, or drafter heads: `drafters.Heads`) or a Hugging Face
+  model directory (llama, qwen2, mistral).
 
   Parameters and activations use `dtype`, by default fp32 on the CPU and bf16 on accelerators.
   Every problem is a one-line ValueError.
@@ -52,19 +80,17 @@ def load(path: str | pathlib.Path, dtype: str | None = None) -> Model:
   from jspec import hf  # hf imports this module for Model
   if hf.is_hf_dir(path):
     return hf.load_hf(path, dtype)
-  try:
-    config = ModelConfig.from_dict({**json.loads((path / "config.json").read_text()), "dtype": dtype})
-  except FileNotFoundError:
-    raise ValueError(f"{path}: no config.json") from None
-  except (json.JSONDecodeError, TypeError, ValueError) as e:
-    raise ValueError(f"{path}/config.json: invalid model config ({_one_line(e)})") from None
+  from jspec import drafters  # drafters import this module for the helpers above
+  if (path / drafters.HEADS_FILE).is_file():
+    return drafters.load_heads(path, dtype)
+  config = parse_config(read_json(path / "config.json"), dtype, path / "config.json")
   tokenizer = load_tokenizer(path)
-  abstract = jax.eval_shape(lambda: model.init_params(config, jax.random.PRNGKey(0)))
-  if not (path / "params").is_dir():
-    raise ValueError(f"{path}: no params/ directory")
+  params = restore_params(path, lambda: model.init_params(config, jax.random.PRNGKey(0)))
+  return Model(config=config, params=params, tokenizer=tokenizer)
+
+
+def parse_config(fields: dict, dtype: str, where: pathlib.Path) -> ModelConfig:
   try:
-    with ocp.StandardCheckpointer() as ckptr:
-      params = ckptr.restore(path / "params", abstract)
-  except Exception as e:  # orbax raises many types for missing or corrupt files
-    raise ValueError(f"{path}: cannot restore parameters ({_one_line(e)})") from None
-  return Model(config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer)
+    return ModelConfig.from_dict({**fields, "dtype": dtype})
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: invalid model config ({_one_line(e)})") from None

@@ -1,12 +1,10 @@
 """The decode loops: autoregressive (the baseline) and speculative, each ONE `lax.while_loop`.
 
 Invariants at the top of every iteration, for each row b with `n = seq_lens[b]` tokens (prompt + emitted):
-- the target cache holds tokens `[0, n-1)`; token n-1 is fed by the next target forward;
-- the draft cache holds `[0, d)` with d = n-1, or d = n-2 after a round that accepted every draft (the
-  draft never saw its own last proposal). The next round's first draft step feeds the two tokens at
-  `[d, d+2)` and reads the logits at slot n-1, which catches up in both cases with one fixed shape.
-Done rows still ride along in the batched forwards, but their lengths no longer move, so they write only
-into slots they already own.
+the target cache holds tokens `[0, n-1)`, and token n-1 is fed by the next target forward. What the
+drafter holds is its own business (see `jspec.drafters`); the loop only asks it for proposals and tells it
+what the target saw. Done rows still ride along in the batched forwards, but their lengths no longer move,
+so they write only into slots they already own.
 """
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ from jax import lax
 from jspec import cache as kvcache
 from jspec import model
 from jspec.config import ModelConfig
+from jspec.drafters.base import Drafter, DrafterState
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
 from jspec.verify import verify, verify_greedy
 
@@ -34,7 +33,8 @@ class DecodeStats:
   """Counters over active rows. A "round" is one row taking part in one target forward."""
   rounds: jax.Array
   target_forwards: jax.Array  # batched target forwards in the loop (prefill not counted)
-  draft_forwards: jax.Array  # batched draft forwards in the loop
+  draft_forwards: jax.Array  # drafting steps in the loop (batched)
+  plain_forwards: jax.Array  # target forwards in the speculative loop that verified no draft
   drafted: jax.Array
   accepted: jax.Array
   accepted_at: jax.Array  # [G]: rounds whose draft token at position i was accepted
@@ -44,7 +44,7 @@ class DecodeStats:
   @classmethod
   def zeros(cls, batch: int, draft_len: int) -> "DecodeStats":
     z = jnp.zeros((), jnp.int32)
-    return cls(rounds=z, target_forwards=z, draft_forwards=z, drafted=z, accepted=z,
+    return cls(rounds=z, target_forwards=z, draft_forwards=z, plain_forwards=z, drafted=z, accepted=z,
                accepted_at=jnp.zeros((draft_len,), jnp.int32), emitted=z,
                acceptance_ewma=jnp.ones((batch,), jnp.float32))
 
@@ -59,7 +59,7 @@ class DecodeState:
   keys: jax.Array  # [B, 2] uint32: one PRNG key per row
   sampling: SamplingParams
   target_cache: kvcache.KVCache
-  draft_cache: kvcache.KVCache | None
+  drafter_state: DrafterState
   stats: DecodeStats
   eos_id: jax.Array  # [] int32; -1 when the model has none
 
@@ -70,7 +70,7 @@ class DecodeState:
 
 def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array,
                sampling: SamplingParams, seeds_B: jax.Array, capacity: int, target_config: ModelConfig,
-               draft_config: ModelConfig | None = None, draft_len: int = 0) -> DecodeState:
+               drafter: Drafter | None = None, draft_len: int = 0) -> DecodeState:
   """A state holding right-padded prompts and empty caches of `capacity` slots (see `required_capacity`)."""
   batch, prompt_width = prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(prompts_BxP)
@@ -80,7 +80,7 @@ def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_
       max_new_tokens=max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
       keys=jax.vmap(jax.random.PRNGKey)(seeds_B.astype(jnp.uint32)), sampling=sampling,
       target_cache=kvcache.init_cache(target_config, batch, capacity),
-      draft_cache=None if draft_config is None else kvcache.init_cache(draft_config, batch, capacity),
+      drafter_state=None if drafter is None else drafter.init(batch, capacity, draft_len),
       stats=DecodeStats.zeros(batch, max(draft_len, 1)),
       eos_id=jnp.asarray(-1 if eos is None else eos, jnp.int32))
 
@@ -88,19 +88,6 @@ def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_
 def required_capacity(prompt_width: int, max_new_tokens: int, draft_len: int) -> int:
   """Slots a request needs: the padded prompt, every new token, and one verify chunk of headroom."""
   return prompt_width + max_new_tokens + draft_len + 1
-
-
-def prefill(params: model.Params, config: ModelConfig, cache: kvcache.KVCache, prompts_BxP: jax.Array,
-            prompt_lens_B: jax.Array) -> kvcache.KVCache:
-  """Runs the right-padded prompts through one model, batched, and keeps each row's first `len - 1` tokens.
-
-  The last prompt token stays pending: the loop's first forward feeds it, so every round looks alike.
-  """
-  batch, width = prompts_BxP.shape
-  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-  _, _, cache = model.forward(params, prompts_BxP, positions, cache.rewind(jnp.zeros_like(cache.lengths)),
-                              config)
-  return cache.rewind(prompt_lens_B - 1)
 
 
 def _split_keys(state: DecodeState, num: int) -> tuple[DecodeState, jax.Array]:
@@ -137,58 +124,37 @@ def _count_round(stats: DecodeStats, active_B: jax.Array, num_new_B: jax.Array) 
                        emitted=stats.emitted + num_new_B.sum())
 
 
-def _autoregressive_step(params: model.Params, config: ModelConfig, state: DecodeState) -> DecodeState:
+def _autoregressive_step(params: model.Params, config: ModelConfig, state: DecodeState,
+                         drafter: Drafter | None = None) -> DecodeState:
+  """One target forward, one token per row; a drafter, if any, sees the target's features."""
   state, keys = _split_keys(state, 1)
-  last = _gather(state.tokens, state.seq_lens[:, None] - 1)
-  logits, _, cache = model.forward(params, last, state.seq_lens[:, None] - 1, state.target_cache, config)
+  n = state.seq_lens
+  logits, hidden, cache = model.forward(params, _gather(state.tokens, n[:, None] - 1), n[:, None] - 1,
+                                        state.target_cache, config)
   token = next_token(keys[0], logits[:, 0], state.sampling)
   active = ~state.done
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
-  return state.replace(target_cache=cache.rewind(state.seq_lens - 1),
-                       stats=_count_round(state.stats, active, num_new))
+  state = state.replace(target_cache=cache.rewind(state.seq_lens - 1),
+                        stats=_count_round(state.stats, active, num_new))
+  if drafter is not None:
+    state = state.replace(drafter_state=drafter.observe(state.drafter_state, hidden, n, state.seq_lens))
+  return state
 
 
-def _draft(params: model.Params, config: ModelConfig, state: DecodeState,
-           keys_GxBx2: jax.Array) -> tuple[kvcache.KVCache, jax.Array, jax.Array]:
-  """Proposes one token per key and row with the draft model.
-
-  Returns (cache, tokens [B,G], logits [B,G,V]); each token was sampled from its logits' distribution.
-  """
+def _verify_step(target_params: model.Params, target_config: ModelConfig, drafter: Drafter,
+                 state: DecodeState, draft_BxG: jax.Array, draft_logits: jax.Array, has_draft_B: jax.Array,
+                 verify_keys_Bx2: jax.Array) -> DecodeState:
+  """The target scores the pending token and the G proposals in one forward and keeps an accepted prefix."""
+  draft_len = draft_BxG.shape[1]
   n = state.seq_lens
-  cache = state.draft_cache
-  d = cache.lengths  # n-1, or n-2 after a fully accepted round
-  two = d[:, None] + jnp.arange(2)
-  logits, _, cache = model.forward(params, _gather(state.tokens, two), two, cache, config)
-  logits_BxV = jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)[:, 0]
-  cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
-
-  def body(carry, key_Bx2):
-    cache, logits_BxV = carry
-    token = next_token(key_Bx2, logits_BxV, state.sampling)
-    logits, _, cache = model.forward(params, token[:, None], cache.lengths[:, None], cache, config)
-    return (cache, logits[:, 0]), (token, logits_BxV)
-
-  # The last proposal needs no forward: the next round's two-token step feeds it if it is accepted.
-  (cache, logits_BxV), (tokens_GxB, logits_GxBxV) = lax.scan(body, (cache, logits_BxV), keys_GxBx2[:-1])
-  token = next_token(keys_GxBx2[-1], logits_BxV, state.sampling)
-  tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
-  logits_BxGxV = jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)
-  return cache, tokens_BxG, logits_BxGxV
-
-
-def _speculative_step(target_params: model.Params, draft_params: model.Params, target_config: ModelConfig,
-                      draft_config: ModelConfig, draft_len: int, state: DecodeState) -> DecodeState:
-  state, keys = _split_keys(state, draft_len + 1)
-  n = state.seq_lens
-  draft_cache, draft_BxG, draft_logits = _draft(draft_params, draft_config, state, keys[:draft_len])
-
   chunk = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), draft_BxG], axis=1)
   positions = n[:, None] - 1 + jnp.arange(draft_len + 1)
-  logits, _, target_cache = model.forward(target_params, chunk, positions, state.target_cache, target_config)
+  logits, hidden, target_cache = model.forward(target_params, chunk, positions, state.target_cache,
+                                               target_config)
   # q and p go through the same transform; an all-greedy batch needs only argmaxes.
   n_accepted, token = lax.cond(
       is_greedy(state.sampling), lambda: verify_greedy(draft_BxG, logits),
-      lambda: verify(keys[draft_len], draft_BxG, probabilities(draft_logits, state.sampling),
+      lambda: verify(verify_keys_Bx2, draft_BxG, probabilities(draft_logits, state.sampling),
                      probabilities(logits, state.sampling)))
 
   candidates = jnp.concatenate([draft_BxG, token[:, None]], axis=1)
@@ -197,16 +163,35 @@ def _speculative_step(target_params: model.Params, draft_params: model.Params, t
   state, num_new = _commit(state, candidates, n_accepted + 1)
   new_n = state.seq_lens
 
+  counted = active & has_draft_B
   st = _count_round(state.stats, active, num_new)
   stats = st.replace(
-      draft_forwards=st.draft_forwards + draft_len, drafted=st.drafted + draft_len * active.sum(),
-      accepted=st.accepted + jnp.where(active, n_accepted, 0).sum(),
-      accepted_at=st.accepted_at + jnp.sum(active[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0),
+      draft_forwards=st.draft_forwards + draft_len, drafted=st.drafted + draft_len * counted.sum(),
+      accepted=st.accepted + jnp.where(counted, n_accepted, 0).sum(),
+      accepted_at=st.accepted_at + jnp.sum(counted[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0),
       acceptance_ewma=jnp.where(
-          active, (1 - EWMA_WEIGHT) * st.acceptance_ewma + EWMA_WEIGHT * n_accepted / draft_len,
+          counted, (1 - EWMA_WEIGHT) * st.acceptance_ewma + EWMA_WEIGHT * n_accepted / draft_len,
           st.acceptance_ewma))
-  return state.replace(target_cache=target_cache.rewind(new_n - 1),
-                       draft_cache=draft_cache.rewind(jnp.minimum(new_n - 1, n + draft_len - 1)), stats=stats)
+  return state.replace(target_cache=target_cache.rewind(new_n - 1), stats=stats,
+                       drafter_state=drafter.observe(state.drafter_state, hidden, n, new_n))
+
+
+def _speculative_step(target_params: model.Params, drafter_params, target_config: ModelConfig,
+                      drafter: Drafter, draft_len: int, state: DecodeState) -> DecodeState:
+  state, keys = _split_keys(state, draft_len + 1)
+  drafter_state, draft_BxG, draft_logits, has_draft = drafter.propose(
+      drafter_params, target_params, state.drafter_state, state.tokens, state.seq_lens, keys[:draft_len],
+      state.sampling)
+  state = state.replace(drafter_state=drafter_state)
+  verify_step = lambda: _verify_step(target_params, target_config, drafter, state, draft_BxG, draft_logits,
+                                     has_draft, keys[draft_len])
+  if not getattr(drafter, "can_skip_rounds", False):
+    return verify_step()
+
+  def plain_step():
+    s = _autoregressive_step(target_params, target_config, state, drafter)
+    return s.replace(stats=s.stats.replace(plain_forwards=s.stats.plain_forwards + 1))
+  return lax.cond(jnp.any(has_draft & ~state.done), verify_step, plain_step)
 
 
 def _loop(step, state: DecodeState) -> DecodeState:
@@ -220,9 +205,9 @@ def autoregressive(params: model.Params, config: ModelConfig, state: DecodeState
   return _loop(lambda s: _autoregressive_step(params, config, s), state)
 
 
-def speculative(target_params: model.Params, draft_params: model.Params, target_config: ModelConfig,
-                draft_config: ModelConfig, draft_len: int, state: DecodeState) -> DecodeState:
-  """Speculative decoding with a draft model until every row is done. Pure, like `autoregressive`."""
+def speculative(target_params: model.Params, drafter_params, target_config: ModelConfig, drafter: Drafter,
+                draft_len: int, state: DecodeState) -> DecodeState:
+  """Speculative decoding with any drafter until every row is done. Pure, like `autoregressive`."""
   trace_counts["speculative"] += 1
-  return _loop(lambda s: _speculative_step(target_params, draft_params, target_config, draft_config,
-                                           draft_len, s), state)
+  return _loop(lambda s: _speculative_step(target_params, drafter_params, target_config, drafter, draft_len,
+                                           s), state)

@@ -15,28 +15,30 @@ import jax.numpy as jnp
 
 from jspec import decode, model
 from jspec.config import ModelConfig
+from jspec.drafters import Drafter
 from jspec.sampling import SamplingParams
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "draft_config", "draft_len", "capacity"))
-def run(target_params: model.Params, draft_params: model.Params | None, prompts_BxP: jax.Array,
-        prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array,
-        *, target_config: ModelConfig, draft_config: ModelConfig | None, draft_len: int,
+@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "draft_len", "capacity"))
+def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
+        max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array, *,
+        target_config: ModelConfig, drafter: Drafter | None, draft_len: int,
         capacity: int) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
-  """Prefills and decodes a batch; autoregressive when `draft_params` is None.
+  """Prefills and decodes a batch; autoregressive when `drafter` is None.
 
   Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
   """
   state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
-                            target_config, draft_config, draft_len)
-  state = state.replace(target_cache=decode.prefill(target_params, target_config, state.target_cache,
-                                                    prompts_BxP, prompt_lens_B))
-  if draft_params is None:
+                            target_config, drafter, draft_len)
+  hidden, target_cache = model.prefill(target_params, target_config, state.target_cache, prompts_BxP,
+                                       prompt_lens_B)
+  state = state.replace(target_cache=target_cache)
+  if drafter is None:
     state = decode.autoregressive(target_params, target_config, state)
   else:
-    state = state.replace(draft_cache=decode.prefill(draft_params, draft_config, state.draft_cache,
-                                                     prompts_BxP, prompt_lens_B))
-    state = decode.speculative(target_params, draft_params, target_config, draft_config, draft_len, state)
+    state = state.replace(drafter_state=drafter.prefill(drafter_params, target_params, state.drafter_state,
+                                                        prompts_BxP, prompt_lens_B, hidden))
+    state = decode.speculative(target_params, drafter_params, target_config, drafter, draft_len, state)
   return state.tokens, state.seq_lens, state.stats
 
 

@@ -69,11 +69,10 @@ def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array) -> jax.Array:
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
-           attend: AttendFn) -> jax.Array:
-  """Embedding and decoder layers; returns the final-normed hidden state [B,S,D]."""
-  batch, seq = tokens_BxS.shape
-  x_BxSxD = params["embed"][tokens_BxS]
+def decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
+            attend: AttendFn) -> jax.Array:
+  """The decoder layers `params["layers"]` over input vectors; returns the residual stream [B,S,D]."""
+  batch, seq, _ = x_BxSxD.shape
   for i, layer in enumerate(params["layers"]):
     h = rms_norm(x_BxSxD, layer["attn_norm"], config.norm_eps)
     q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
@@ -86,6 +85,13 @@ def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, confi
     x_BxSxD = x_BxSxD + out_BxSxHxDh.reshape(batch, seq, -1) @ layer["wo"]
     h = rms_norm(x_BxSxD, layer["mlp_norm"], config.norm_eps)
     x_BxSxD = x_BxSxD + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+  return x_BxSxD
+
+
+def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
+          attend: AttendFn) -> jax.Array:
+  """Embedding and decoder layers; returns the final-normed hidden state [B,S,D]."""
+  x_BxSxD = decoder(params, params["embed"][tokens_BxS], positions_BxS, config, attend)
   return rms_norm(x_BxSxD, params["final_norm"], config.norm_eps)
 
 
@@ -96,6 +102,14 @@ def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cac
   The same code serves prefill (S = padded prompt), one-token decode and verification (S = K+1).
   Returns `(logits [B,S,V] fp32, hidden [B,S,D], cache)` with `cache.lengths` advanced by S.
   """
+  x_BxSxD, cache = cached_decoder(params, params["embed"][tokens_BxS], positions_BxS, cache, config)
+  hidden = rms_norm(x_BxSxD, params["final_norm"], config.norm_eps)
+  return logits_from_hidden(params, hidden), hidden, cache
+
+
+def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
+                   config: ModelConfig) -> tuple[jax.Array, kvcache.KVCache]:
+  """`decoder` over S new input vectors per row, written into the cache at each row's length."""
   ks, vs = list(cache.k), list(cache.v)
 
   def attend(i, q, k, v):
@@ -103,9 +117,8 @@ def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cac
     vs[i] = kvcache.write(vs[i], v, cache.lengths)
     return attention.cached_attention(q, ks[i], vs[i], cache.lengths)
 
-  hidden = trunk(params, tokens_BxS, positions_BxS, config, attend)
-  new_cache = kvcache.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + tokens_BxS.shape[1])
-  return logits_from_hidden(params, hidden), hidden, new_cache
+  x_BxSxD = decoder(params, x_BxSxD, positions_BxS, config, attend)
+  return x_BxSxD, kvcache.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])
 
 
 def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -114,3 +127,17 @@ def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> 
   hidden = trunk(params, tokens_BxS, positions, config,
                   lambda i, q, k, v: attention.causal_attention(q, k, v))
   return logits_from_hidden(params, hidden), hidden
+
+
+def prefill(params: Params, config: ModelConfig, cache: kvcache.KVCache, prompts_BxP: jax.Array,
+            prompt_lens_B: jax.Array) -> tuple[jax.Array, kvcache.KVCache]:
+  """Runs right-padded prompts through the model, batched, and keeps each row's first `len - 1` tokens.
+
+  The last prompt token stays pending: the decode loop's first forward feeds it, so every round looks
+  alike. Returns the hidden states [B,P,D] (head drafters read them) and the cache.
+  """
+  batch, width = prompts_BxP.shape
+  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+  _, hidden, cache = forward(params, prompts_BxP, positions, cache.rewind(jnp.zeros_like(cache.lengths)),
+                             config)
+  return hidden, cache.rewind(prompt_lens_B - 1)

@@ -1,17 +1,21 @@
-"""Training with optax: next-token cross-entropy, or distillation from a frozen target for drafts.
+"""Training with optax: language models, distilled draft models, and Medusa/EAGLE heads.
 
-`python -m jspec.train --config configs/NAME.json`. The config names the model, the data directory (token
-shards and tokenizer from `python -m jspec.data`), the optimizer schedule and, for a draft, the teacher
-checkpoint. Distillation minimizes KL(teacher || student), with the teacher's distribution computed on the
-fly, plus `ce_weight` times cross-entropy on the data. An orbax CheckpointManager in `workdir` keeps the
-latest steps, and a rerun of the same command resumes from the last one.
+`python -m jspec.train --config configs/NAME.json`. The config names the data directory (token shards and
+tokenizer from `python -m jspec.data`), the optimizer schedule, and what to train:
+- `model`: a language model; with a `teacher` checkpoint it is distilled: KL(teacher || student) with the
+  teacher's distribution computed on the fly, plus `ce_weight` times cross-entropy on the data;
+- `drafter` ("medusa" or "eagle") with a frozen `target` checkpoint and `heads` options: heads trained on
+  the target's own features and distributions (see each drafter's `loss`).
+An orbax CheckpointManager in `workdir` keeps the latest steps, and a rerun of the same command resumes.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +24,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from jspec import checkpoint, data, model
+from jspec import checkpoint, data, drafters, model
 from jspec.config import ModelConfig
 from jspec.tokenizer import EOS_TOKEN, load_tokenizer
 
@@ -37,6 +41,66 @@ def loss_fn(params, batch_BxS1, config: ModelConfig, teacher=None, ce_weight: fl
   t_logp = jax.nn.log_softmax(model.forward_full(t_params, inputs, t_config)[0], axis=-1)
   kl = jnp.mean(jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1))
   return kl + ce_weight * ce, ce
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  description: str
+  init: Callable[[jax.Array], Any]  # key -> parameters
+  loss: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]  # (params, batch [B,S+1]) -> (loss, metric)
+  metric: str  # the validation metric's name in the log
+  save: Callable[[Any, pathlib.Path], None]
+
+
+def model_task(cfg: dict, tok) -> Task:
+  config = ModelConfig.from_dict({**cfg["model"], "vocab_size": tok.get_vocab_size(),
+                                  "eos_id": tok.token_to_id(EOS_TOKEN)})
+  teacher = None
+  if cfg.get("teacher"):
+    t = checkpoint.load(cfg["teacher"])
+    if t.tokenizer.get_vocab() != tok.get_vocab():
+      raise SystemExit("the teacher's tokenizer differs from the data's")
+    teacher = (t.params, t.config)
+  ce_weight = cfg.get("ce_weight", 1.0)
+  return Task(
+      description=f"{config.n_layers} layers, width {config.dim}",
+      init=lambda key: model.init_params(config, key),
+      loss=lambda params, batch: loss_fn(params, batch, config, teacher, ce_weight) if teacher
+      else loss_fn(params, batch, config),
+      metric="validation_ce",
+      save=lambda params, out: checkpoint.save(checkpoint.Model(config, params, tok), out,
+                                               storage_dtype="bfloat16"))
+
+
+def heads_task(cfg: dict, tok) -> Task:
+  """Medusa or EAGLE heads on a frozen target; the metric is the training loss on validation data."""
+  target = checkpoint.load(cfg["target"])
+  if target.tokenizer.get_vocab() != tok.get_vocab():
+    raise SystemExit("the target's tokenizer differs from the data's")
+  opts = cfg.get("heads", {})
+  if cfg["drafter"] == "medusa":
+    drafter = drafters.MedusaDrafter(target.config, opts.get("num_heads", 5))
+  elif cfg["drafter"] == "eagle":
+    drafter = drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1,
+                                                        mlp_dim=opts.get("mlp_dim", target.config.mlp_dim)))
+  else:
+    raise SystemExit(f"unknown drafter {cfg['drafter']!r}: medusa or eagle")
+
+  def loss(params, batch_BxS1):
+    tokens = batch_BxS1[:, :-1]
+    logits, hidden = jax.lax.stop_gradient(model.forward_full(target.params, tokens, target.config))
+    if drafter.kind == "medusa":
+      value = drafter.loss(params, hidden, logits, target.params)
+    else:
+      key = jax.random.fold_in(jax.random.PRNGKey(0), jnp.sum(batch_BxS1))  # noise varies with the batch
+      value = drafter.loss(params, hidden, logits, target.params, tokens, opts.get("feature_weight", 1.0),
+                           opts.get("feature_noise", 0.0), key)
+    return value, value
+
+  return Task(description=f"{drafter.kind} heads on {cfg['target']}", init=drafter.init_params, loss=loss,
+              metric="validation_loss",
+              save=lambda params, out: drafters.save_heads(drafters.Heads(drafter, params), out,
+                                                           storage_dtype="bfloat16"))
 
 
 def make_optimizer(cfg: dict) -> optax.GradientTransformation:
@@ -70,21 +134,14 @@ def main(argv=None) -> int:
   tcfg = dict(cfg["train"], **({"steps": args.steps} if args.steps else {}))
   data_dir = pathlib.Path(cfg["data"])
   tok = load_tokenizer(data_dir)
-  config = ModelConfig.from_dict({**cfg["model"], "vocab_size": tok.get_vocab_size(),
-                                  "eos_id": tok.token_to_id(EOS_TOKEN)})
-  teacher = None
-  if cfg.get("teacher"):
-    t = checkpoint.load(cfg["teacher"])
-    if t.tokenizer.get_vocab() != tok.get_vocab():
-      raise SystemExit("the teacher's tokenizer differs from the data's")
-    teacher = (t.params, t.config)
+  task = heads_task(cfg, tok) if cfg.get("drafter") else model_task(cfg, tok)
   shards = load_shards(data_dir)
-  print(f"{config.n_layers} layers, width {config.dim}: {sum(x.size for x in jax.tree.leaves(model.init_params(config, jax.random.PRNGKey(0)))):,} parameters; "
-        f"train {len(shards['train']):,} tokens, validation {len(shards['validation']):,}", flush=True)
+  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(task.init, jax.random.PRNGKey(0))))
+  print(f"{task.description}: {num_params:,} parameters; train {len(shards['train']):,} tokens, validation {len(shards['validation']):,}", flush=True)
 
   opt = make_optimizer(tcfg)
   seed = tcfg.get("seed", 0)
-  params = model.init_params(config, jax.random.PRNGKey(seed))
+  params = task.init(jax.random.PRNGKey(seed))
   state = {"params": params, "opt_state": opt.init(params)}
   workdir = pathlib.Path(args.workdir or cfg["workdir"]).absolute()
   manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(
@@ -94,42 +151,41 @@ def main(argv=None) -> int:
     start_step = manager.latest_step()
     state = manager.restore(start_step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
     print(f"resumed from step {start_step} in {workdir}", flush=True)
-  ce_weight = cfg.get("ce_weight", 1.0)
 
   @jax.jit
   def train_step(state, batch):
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, ce), grads = grad_fn(state["params"], batch, config, teacher, ce_weight)
+    grad_fn = jax.value_and_grad(task.loss, has_aux=True)
+    (loss, _), grads = grad_fn(state["params"], batch)
     updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
 
-  eval_ce = jax.jit(lambda params, batch: loss_fn(params, batch, config)[1])
+  eval_metric = jax.jit(lambda params, batch: task.loss(params, batch)[1])
   val_batches = [batch_at(shards["validation"], i, tcfg["batch"], tcfg["seq_len"], seed + 1) for i in range(8)]
-  validate = lambda: float(np.mean([eval_ce(state["params"], b) for b in val_batches]))
+  validate = lambda: float(np.mean([eval_metric(state["params"], b) for b in val_batches]))
 
   tokens_per_step = tcfg["batch"] * tcfg["seq_len"]
   bar = tqdm(range(start_step, tcfg["steps"]), desc="train", initial=start_step, total=tcfg["steps"])
   start, val, history = time.perf_counter(), float("nan"), []
   if start_step == 0:
-    history.append({"step": 0, "validation_ce": validate()})
+    history.append({"step": 0, task.metric: validate()})
   for step in bar:
     state, loss = train_step(state, batch_at(shards["train"], step, tcfg["batch"], tcfg["seq_len"], seed))
     done = step + 1
     if done % tcfg.get("eval_every", 200) == 0 or done == tcfg["steps"]:
       val = validate()
-      history.append({"step": done, "validation_ce": val})
+      history.append({"step": done, task.metric: val})
     manager.save(done, args=ocp.args.StandardSave(state))
     if step % 10 == 0 or done == tcfg["steps"]:
       rate = tokens_per_step * (done - start_step) / (time.perf_counter() - start)
-      bar.set_postfix(loss=f"{float(loss):.3f}", val_ce=f"{val:.3f}", tok_s=f"{rate:.0f}")
+      bar.set_postfix(loss=f"{float(loss):.3f}", val=f"{val:.3f}", tok_s=f"{rate:.0f}")
   manager.wait_until_finished()
   out = pathlib.Path(cfg["out"])
-  checkpoint.save(checkpoint.Model(config, state["params"], tok), out, storage_dtype="bfloat16")
+  task.save(state["params"], out)
   val = validate()
-  log = {"validation_ce": val, "steps": tcfg["steps"], "tokens_seen": tcfg["steps"] * tokens_per_step,
+  log = {task.metric: val, "steps": tcfg["steps"], "tokens_seen": tcfg["steps"] * tokens_per_step,
          "wall_seconds_this_run": time.perf_counter() - start, "history": history}
   (out / "train_log.json").write_text(json.dumps(log, indent=2))
-  print(f"saved {out}: validation cross-entropy {val:.3f} nats/token")
+  print(f"saved {out}: {task.metric} {val:.3f}")
   return 0
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import decode, model, testing
+from jspec import decode, drafters, model, testing
 
 NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
 PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\n", "class Foo:\n    def __init__(self"]
@@ -140,10 +140,12 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   @chex.assert_max_traces(n=1)
   def run(prompts, lens, temperature, seeds):
     sp = engine.as_sampling(temperature, 0, 1.0, prompts.shape[0])
-    state = decode.init_state(prompts, lens, jnp.full((2,), 6), sp, seeds, 128, target.config, draft.config, 3)
-    state = state.replace(target_cache=decode.prefill(target.params, target.config, state.target_cache, prompts, lens),
-                          draft_cache=decode.prefill(draft.params, draft.config, state.draft_cache, prompts, lens))
-    return decode.speculative(target.params, draft.params, target.config, draft.config, 3, state).tokens
+    drafter = drafters.ModelDrafter(draft.config)
+    state = decode.init_state(prompts, lens, jnp.full((2,), 6), sp, seeds, 128, target.config, drafter, 3)
+    hidden, target_cache = model.prefill(target.params, target.config, state.target_cache, prompts, lens)
+    state = state.replace(target_cache=target_cache, drafter_state=drafter.prefill(
+        draft.params, target.params, state.drafter_state, prompts, lens, hidden))
+    return decode.speculative(target.params, draft.params, target.config, drafter, 3, state).tokens
 
   for i in range(3):
     prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)

@@ -1,0 +1,79 @@
+"""The interface every drafter implements, and the target features that head drafters read.
+
+A drafter is a frozen (hashable) dataclass: it is a static argument of the jitted loop, and its weights, if
+any, are a separate pytree. Its per-request state (a KV cache, the target's last features) rides in the
+loop's carried state. Each round the loop calls:
+
+  propose(...)  -> K proposals per row and the logits each was sampled from (q for rejection sampling);
+  observe(...)  -> after the target forward and the commit: learn the target's features of the round and
+                   roll back to the accepted text.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jspec.sampling import SamplingParams
+
+DrafterState = Any  # a pytree; None for stateless drafters
+
+
+class Drafter(Protocol):
+  kind: str  # "model", "medusa", "eagle" or "ngram"
+
+  def init(self, batch: int, capacity: int, draft_len: int) -> DrafterState:
+    """Empty state for a batch, with room for `capacity` positions per row."""
+
+  def prefill(self, params: Any, target_params: Any, state: DrafterState, prompts_BxP: jax.Array,
+              prompt_lens_B: jax.Array, hidden_BxPxD: jax.Array) -> DrafterState:
+    """Reads the prompts; `hidden` is the target's prefill output (final-normed features)."""
+
+  def propose(self, params: Any, target_params: Any, state: DrafterState, tokens_BxL: jax.Array,
+              seq_lens_B: jax.Array, keys_GxBx2: jax.Array,
+              sampling: SamplingParams) -> tuple[DrafterState, jax.Array, jax.Array, jax.Array]:
+    """Returns (state, tokens [B,G], logits [B,G,V], has_draft [B]).
+
+    Token i of row b is the proposal for position `seq_lens[b] + i`, drawn with `keys[i, b]` from the
+    distribution that `logits[b, i]` gives under `sampling`. A row without a real proposal (has_draft False)
+    still returns well-formed tokens and logits; when no row has one, the loop runs a plain target step.
+    """
+
+  def observe(self, state: DrafterState, hidden_BxSxD: jax.Array, n_B: jax.Array,
+              new_n_B: jax.Array) -> DrafterState:
+    """After a target forward over S tokens at positions `[n-1, n-1+S)`, with `new_n` tokens now held."""
+
+
+@flax.struct.dataclass
+class Features:
+  """The target's final-normed features of the last target forward: feats[b, i] is at position start[b] + i.
+
+  Head drafters read the feature that predicted the last committed token (position seq_len - 2).
+  """
+  feats_BxCxD: jax.Array
+  start_B: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, width: int, dim: int, dtype) -> "Features":
+    return cls(jnp.zeros((batch, width, dim), dtype), jnp.zeros((batch,), jnp.int32))
+
+  @classmethod
+  def from_prefill(cls, hidden_BxPxD: jax.Array, prompt_lens_B: jax.Array, width: int) -> "Features":
+    """Keeps the feature at position len-2 (clamped to 0 for one-token prompts, whose draft is then
+    uninformed but still verified)."""
+    start = jnp.maximum(prompt_lens_B - 2, 0).astype(jnp.int32)
+    last = jnp.take_along_axis(hidden_BxPxD, start[:, None, None], axis=1)
+    feats = jnp.zeros((hidden_BxPxD.shape[0], width, hidden_BxPxD.shape[2]), hidden_BxPxD.dtype)
+    return cls(feats.at[:, :1].set(last), start)
+
+  def update(self, hidden_BxSxD: jax.Array, n_B: jax.Array) -> "Features":
+    """Stores a target forward's features (S <= width) starting at position n-1."""
+    feats = self.feats_BxCxD.at[:, :hidden_BxSxD.shape[1]].set(hidden_BxSxD.astype(self.feats_BxCxD.dtype))
+    return Features(feats, (n_B - 1).astype(jnp.int32))
+
+  def last(self, seq_lens_B: jax.Array) -> jax.Array:
+    """The feature at position seq_len - 2, [B,D]."""
+    idx = jnp.clip(seq_lens_B - 2 - self.start_B, 0, self.feats_BxCxD.shape[1] - 1)
+    return jnp.take_along_axis(self.feats_BxCxD, idx[:, None, None], axis=1)[:, 0]

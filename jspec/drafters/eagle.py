@@ -1,0 +1,122 @@
+"""EAGLE (Li et al. 2024): a one-layer transformer that drafts in the target's feature space.
+
+Its input at position p is `fc([feature_p ; embed(token_{p+1})])`; its output, after its own final norm, is
+the predicted feature of position p + 1, which the target's LM head turns into the distribution of token
+p + 2. Embedding and LM head are the target's (frozen, not stored). Drafting runs it autoregressively on its
+own predicted features, with its own KV cache.
+
+Cache invariant: at the start of a round the cache holds positions `[0, start)` where `start` is the first
+position of the target features kept in `Features` (the last target forward's). The round first feeds those
+real features (a fixed C = K+1 of them, the valid ones being `[start, n-1)`), reads the prediction at n-2,
+rewinds to n-1, and then continues on its own features. After verification it rewinds to the new `start`,
+so drafted positions are always recomputed from real features.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jspec import attention
+from jspec import cache as kvcache
+from jspec import model
+from jspec.config import ModelConfig
+from jspec.drafters.base import Features
+from jspec.sampling import SamplingParams, next_token
+
+@flax.struct.dataclass
+class EagleState:
+  cache: kvcache.KVCache
+  features: Features
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+  config: ModelConfig  # the target's shape with one layer (its own mlp_dim allowed)
+  kind: str = "eagle"
+
+  def init_params(self, key: jax.Array) -> dict:
+    layer_key, fc_key = jax.random.split(key)
+    d, dtype = self.config.dim, self.config.jnp_dtype
+    fc = jax.random.normal(fc_key, (2 * d, d)) * (2 * d) ** -0.5
+    return {"fc": fc.astype(dtype), "layers": model.init_params(self.config, layer_key)["layers"],
+            "final_norm": jnp.ones((d,), dtype)}
+
+  def _inputs(self, params, target_params, feature_BxSxD, tokens_BxS):
+    x = jnp.concatenate([feature_BxSxD.astype(self.config.jnp_dtype), target_params["embed"][tokens_BxS]], -1)
+    return x @ params["fc"]
+
+  def _features(self, params, x_BxSxD):
+    return model.rms_norm(x_BxSxD, params["final_norm"], self.config.norm_eps)
+
+  def step(self, params, target_params, cache, feature_BxSxD, next_tokens_BxS, positions_BxS):
+    """Predicted features of positions+1 for S (feature, next token) pairs; the cache advances by S."""
+    x = self._inputs(params, target_params, feature_BxSxD, next_tokens_BxS)
+    x, cache = model.cached_decoder(params, x, positions_BxS, cache, self.config)
+    return self._features(params, x), cache
+
+  def init(self, batch: int, capacity: int, draft_len: int) -> EagleState:
+    return EagleState(kvcache.init_cache(self.config, batch, capacity),
+                      Features.zeros(batch, draft_len + 1, self.config.dim, self.config.jnp_dtype))
+
+  def prefill(self, params, target_params, state: EagleState, prompts_BxP, prompt_lens_B, hidden_BxPxD):
+    batch, width = prompts_BxP.shape
+    next_BxP = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((batch, 1), prompts_BxP.dtype)], 1)
+    positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    _, cache = self.step(params, target_params, state.cache.rewind(jnp.zeros((batch,), jnp.int32)),
+                         hidden_BxPxD, next_BxP, positions)
+    features = Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.features.feats_BxCxD.shape[1])
+    return EagleState(cache.rewind(features.start_B), features)
+
+  def propose(self, params, target_params, state: EagleState, tokens_BxL, seq_lens_B, keys_GxBx2,
+              sampling: SamplingParams):
+    n, feats = seq_lens_B, state.features
+    width = feats.feats_BxCxD.shape[1]
+    positions = feats.start_B[:, None] + jnp.arange(width)
+    next_tokens = jnp.take_along_axis(tokens_BxL, jnp.minimum(positions + 1, tokens_BxL.shape[1] - 1), axis=1)
+    pred_BxCxD, cache = self.step(params, target_params, state.cache, feats.feats_BxCxD, next_tokens, positions)
+    at = jnp.clip(n - 2 - feats.start_B, 0, width - 1)
+    feature_BxD = jnp.take_along_axis(pred_BxCxD, at[:, None, None], axis=1)[:, 0]
+    cache = cache.rewind(jnp.maximum(n - 1, 0))
+    logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None])[:, 0]
+
+    def body(carry, key_Bx2):
+      cache, feature_BxD, logits_BxV = carry
+      token = next_token(key_Bx2, logits_BxV, sampling)
+      feature, cache = self.step(params, target_params, cache, feature_BxD[:, None], token[:, None],
+                                 cache.lengths[:, None])
+      logits = model.logits_from_hidden(target_params, feature)[:, 0]
+      return (cache, feature[:, 0], logits), (token, logits_BxV)
+
+    (cache, _, logits_BxV), (tokens_GxB, logits_GxBxV) = lax.scan(
+        body, (cache, feature_BxD, logits_BxV), keys_GxBx2[:-1])
+    token = next_token(keys_GxBx2[-1], logits_BxV, sampling)
+    tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
+    logits_BxGxV = jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)
+    return EagleState(cache, feats), tokens_BxG, logits_BxGxV, jnp.ones(n.shape, bool)
+
+  def observe(self, state: EagleState, hidden_BxSxD, n_B, new_n_B) -> EagleState:
+    features = state.features.update(hidden_BxSxD, n_B)
+    return EagleState(state.cache.rewind(features.start_B), features)
+
+  def loss(self, params: dict, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array, target_params: dict,
+           tokens_BxS: jax.Array, feature_weight: float = 1.0, noise: float = 0.0,
+           key: jax.Array | None = None) -> jax.Array:
+    """Teacher-forced on real features (with optional uniform noise, as EAGLE trains): smooth-L1 feature
+    regression plus KL(target || draft) on the next-next token."""
+    inputs = hidden_BxSxD[:, :-1]
+    if noise:
+      inputs = inputs + jax.random.uniform(key, inputs.shape, inputs.dtype, -noise / 2, noise / 2)
+    x = self._inputs(params, target_params, inputs, tokens_BxS[:, 1:])
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    x = model.decoder(params, x, positions, self.config, lambda i, q, k, v: attention.causal_attention(q, k, v))
+    pred = self._features(params, x).astype(jnp.float32)
+    regression = jnp.mean(optax.huber_loss(pred, hidden_BxSxD[:, 1:].astype(jnp.float32)))  # smooth L1
+    logq = jax.nn.log_softmax(model.logits_from_hidden(target_params, pred), -1)
+    logp = jax.nn.log_softmax(target_logits_BxSxV[:, 1:], -1)
+    return feature_weight * regression + jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1))
+
