@@ -124,14 +124,18 @@ def _count_round(stats: DecodeStats, active_B: jax.Array, num_new_B: jax.Array) 
                        emitted=stats.emitted + num_new_B.sum())
 
 
-def _autoregressive_step(params: model.Params, config: ModelConfig, state: DecodeState,
-                         drafter: Drafter | None = None) -> DecodeState:
-  """One target forward, one token per row; a drafter, if any, sees the target's features."""
+def _autoregressive_step(params: model.Params, config: ModelConfig, state: DecodeState) -> DecodeState:
   state, keys = _split_keys(state, 1)
+  return _target_step(params, config, state, keys[0])
+
+
+def _target_step(params: model.Params, config: ModelConfig, state: DecodeState, keys_Bx2: jax.Array,
+                 drafter: Drafter | None = None) -> DecodeState:
+  """One target forward, one token per row; a drafter, if any, sees the target's features."""
   n = state.seq_lens
   logits, hidden, cache = model.forward(params, _gather(state.tokens, n[:, None] - 1), n[:, None] - 1,
                                         state.target_cache, config)
-  token = next_token(keys[0], logits[:, 0], state.sampling)
+  token = next_token(keys_Bx2, logits[:, 0], state.sampling)
   active = ~state.done
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
   state = state.replace(target_cache=cache.rewind(state.seq_lens - 1),
@@ -156,6 +160,11 @@ def _verify_step(target_params: model.Params, target_config: ModelConfig, drafte
       is_greedy(state.sampling), lambda: verify_greedy(draft_BxG, logits),
       lambda: verify(verify_keys_Bx2, draft_BxG, probabilities(draft_logits, state.sampling),
                      probabilities(logits, state.sampling)))
+  if getattr(drafter, "can_skip_rounds", False):
+    # A row without a proposal draws exactly what a plain target step would, with the same key, so its
+    # tokens do not depend on whether another row's proposal turned this round into a verify.
+    n_accepted = jnp.where(has_draft_B, n_accepted, 0)
+    token = jnp.where(has_draft_B, token, next_token(verify_keys_Bx2, logits[:, 0], state.sampling))
 
   candidates = jnp.concatenate([draft_BxG, token[:, None]], axis=1)
   candidates = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], token[:, None], candidates)
@@ -189,7 +198,7 @@ def _speculative_step(target_params: model.Params, drafter_params, target_config
     return verify_step()
 
   def plain_step():
-    s = _autoregressive_step(target_params, target_config, state, drafter)
+    s = _target_step(target_params, target_config, state, keys[draft_len], drafter)
     return s.replace(stats=s.stats.replace(plain_forwards=s.stats.plain_forwards + 1))
   return lax.cond(jnp.any(has_draft & ~state.done), verify_step, plain_step)
 

@@ -6,6 +6,7 @@ import math
 import re
 
 import jax
+import numpy as np
 
 from jspec import model
 from jspec.checkpoint import Model
@@ -30,6 +31,26 @@ def perturbed(m: Model, noise: float, seed: int = 1) -> Model:
   keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
   noisy = [x + noise * x.std() * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
   return dataclasses.replace(m, params=jax.tree.unflatten(treedef, noisy))
+
+
+def random_heads(drafter, seed: int = 0, scale: float = 0.5):
+  """Medusa or EAGLE heads with random weights: `scale` times a unit normal on top of their init."""
+  from jspec import drafters
+  params = drafter.init_params(jax.random.PRNGKey(seed))
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+  noisy = [x + scale * x.shape[-1] ** -0.5 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  return drafters.Heads(drafter, jax.tree.unflatten(treedef, noisy))
+
+
+def assert_target_argmax(target: Model, prompt_ids: list[int], out_ids: list[int]) -> None:
+  """Every emitted token is the target's full-forward argmax, except at near-ties (top-2 gap < 1e-5)."""
+  seq = np.asarray(prompt_ids + out_ids)[None]
+  logits = np.asarray(model.forward_full(target.params, seq, target.config)[0][0])
+  for i, tok in enumerate(out_ids):
+    row = logits[len(prompt_ids) - 1 + i]
+    top2 = np.sort(row)[-2:]
+    assert tok == row.argmax() or top2[1] - row[tok] < 1e-5, f"token {i}: {tok} vs argmax {row.argmax()}"
 
 
 def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:

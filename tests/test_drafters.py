@@ -1,0 +1,148 @@
+"""Every drafter behind the one interface: greedy identity, ragged batches, rollback, no retrace, n-gram lookup."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec import decode, drafters, engine, model, testing
+
+VOCAB = 16
+CONFIG = dataclasses.replace(testing.TINY, vocab_size=VOCAB, eos_id=None)
+KINDS = ["model", "medusa", "eagle", "ngram"]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return testing.random_model(CONFIG, seed=0, scale=2.0)
+
+
+def make_draft(kind: str, target, seed: int = 1):
+  if kind == "model":
+    return testing.perturbed(target, 0.5, seed=seed)
+  if kind == "medusa":
+    return testing.random_heads(drafters.MedusaDrafter(target.config, 5), seed)
+  if kind == "eagle":
+    return testing.random_heads(drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1)), seed)
+  return None
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, VOCAB, size=int(n)).tolist() for n in rng.integers(1, 12, size=count)]
+
+
+@pytest.mark.parametrize("draft_len", [1, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len):
+  ps = prompts(6)
+  ar = jspec.generate(target, ps, max_new_tokens=20)
+  spec = jspec.generate(target, ps, draft=make_draft(kind, target), drafter=kind, max_new_tokens=20,
+                        draft_len=draft_len)
+  assert spec.stats["drafter"] == kind
+  assert spec.token_ids == ar.token_ids
+  assert spec.stats["accepted_tokens"] > 0  # acceptance happens, so rollback paths run too
+  for p, ids in zip(ps, spec.token_ids):
+    testing.assert_target_argmax(target, p, ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
+  ps = prompts(4, seed=1)
+  kw = dict(draft=make_draft(kind, target), drafter=kind, max_new_tokens=16, draft_len=3, temperature=1.0)
+  batched = jspec.generate(target, ps, seed=5, **kw)
+  for b, p in enumerate(ps):
+    assert jspec.generate(target, [p], seed=[5 + b], **kw).token_ids[0] == batched.token_ids[b]
+
+
+@pytest.mark.parametrize("kind", ["model", "medusa", "eagle"])
+def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
+  """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
+  prefill of the accepted text, including rows rejected in the middle of their draft."""
+  draft_len, batch, width, capacity = 4, 16, 16, 128
+  drafter, dparams = drafters.resolve(target, make_draft(kind, target), kind, draft_len=draft_len)
+  sp = engine.as_sampling(0.0, 0, 1.0, batch)
+  keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
+
+  def fresh(tokens_BxP, lens_B):
+    state = decode.init_state(tokens_BxP, lens_B, jnp.full((batch,), 64), sp, jnp.arange(batch), capacity,
+                              target.config, drafter, draft_len)
+    hidden, tc = model.prefill(target.params, target.config, state.target_cache, tokens_BxP, lens_B)
+    return state.replace(target_cache=tc, drafter_state=drafter.prefill(dparams, target.params,
+                                                                         state.drafter_state, tokens_BxP,
+                                                                         lens_B, hidden))
+
+  def proposal(state):
+    return drafter.propose(dparams, target.params, state.drafter_state, state.tokens, state.seq_lens, keys,
+                           sp)[2]
+
+  step = jax.jit(lambda s: decode._speculative_step(target.params, dparams, target.config, drafter,
+                                                    draft_len, s))
+  ps = prompts(batch, seed=2)
+  tokens = np.zeros((batch, width), np.int32)
+  for b, p in enumerate(ps):
+    tokens[b, :len(p)] = p
+  state = fresh(jnp.asarray(tokens), jnp.asarray([len(p) for p in ps], jnp.int32))
+  mid_rejections = 0
+  for _ in range(6):
+    before = state.seq_lens
+    state = step(state)
+    accepted = np.asarray(state.seq_lens - before - 1)
+    mid_rejections += int(np.sum((accepted > 0) & (accepted < draft_len)))
+    text = state.tokens[:, :int(state.seq_lens.max())]
+    np.testing.assert_allclose(proposal(state), proposal(fresh(text, state.seq_lens)), atol=2e-4, rtol=2e-4)
+  assert mid_rejections > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_retrace_across_requests(target, kind):
+  kw = dict(draft=make_draft(kind, target), drafter=kind, draft_len=3)
+  jspec.generate(target, [[1, 2, 3]], max_new_tokens=10, **kw)
+  before = dict(decode.trace_counts)
+  for i, temp in enumerate([0.0, 0.8, 1.2]):
+    r = jspec.generate(target, [[4] * (i + 2)], max_new_tokens=10 + i, temperature=temp, top_k=i, seed=i, **kw)
+    assert r.stats["compile_seconds"] == 0.0
+  assert dict(decode.trace_counts) == before
+
+
+def test_ngram_lookup_finds_the_most_recent_longest_match():
+  tokens = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3, 0, 0],   # "1 2 3" last seen at 4: continue at 7
+                        [4, 5, 6, 4, 8, 6, 0, 0, 0, 0, 0, 0, 0, 0],   # only "6" matches (at 2): continue at 3
+                        [1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0]])  # no match
+  found, start = drafters.ngram.lookup(tokens, jnp.asarray([12, 6, 5]), max_ngram=3)
+  assert found.tolist() == [True, True, False]
+  assert start[:2].tolist() == [7, 3]
+
+
+def test_ngram_without_a_match_runs_plain_target_steps(target):
+  r = jspec.generate(target, [[1, 2, 3]], drafter="ngram", max_new_tokens=1, draft_len=4)
+  assert r.stats["plain_forwards"] == 1 and r.stats["drafted_tokens"] == 0
+  # On a prompt that repeats itself, the greedy continuation is found in the context.
+  loop = [3, 1, 4, 1, 5, 9, 2, 6] * 4
+  r = jspec.generate(target, [loop], drafter="ngram", max_new_tokens=32, draft_len=4)
+  assert r.token_ids == jspec.generate(target, [loop], max_new_tokens=32).token_ids
+
+
+def test_heads_save_and_load_round_trip(target, tmp_path):
+  for kind in ("medusa", "eagle"):
+    heads = make_draft(kind, target)
+    drafters.save_heads(heads, tmp_path / kind)
+    loaded = jspec.load(tmp_path / kind)
+    assert loaded.drafter == heads.drafter
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, heads.params)
+
+
+def test_bad_drafter_requests_are_one_line_errors(target):
+  with pytest.raises(ValueError, match="unknown drafter"):
+    jspec.generate(target, [[1]], drafter="tree")
+  with pytest.raises(ValueError, match="needs draft weights"):
+    jspec.generate(target, [[1]], drafter="medusa")
+  with pytest.raises(ValueError, match="exceeds the 5 Medusa heads"):
+    jspec.generate(target, [[1]], draft=make_draft("medusa", target), draft_len=6)
+  with pytest.raises(ValueError, match="was given medusa weights"):
+    jspec.generate(target, [[1]], draft=make_draft("medusa", target), drafter="eagle")
+  wide = testing.random_model(dataclasses.replace(CONFIG, dim=96))
+  with pytest.raises(ValueError, match="trained for a target of width 64"):
+    jspec.generate(wide, [[1]], draft=make_draft("eagle", target))
