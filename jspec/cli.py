@@ -6,8 +6,13 @@ import json
 import pathlib
 import sys
 
-DEFAULT_TARGET = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "code-target"
-DEFAULT_DRAFT = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "code-draft"
+CHECKPOINTS = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
+DEFAULT_TARGET = CHECKPOINTS / "code-target"
+# The shipped weights of each drafter for the shipped target (ngram needs none).
+SHIPPED_DRAFTS = {"model": CHECKPOINTS / "code-draft", "medusa": CHECKPOINTS / "code-target-medusa",
+                  "eagle": CHECKPOINTS / "code-target-eagle"}
+DEFAULT_DRAFTER = "model"  # the best measured speedup on held-out code (README, "Drafters")
+KINDS = ("model", "medusa", "eagle", "ngram")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -15,8 +20,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                               description="Speculative decoding: a draft proposes, the target verifies, "
                                           "and the output is exactly the target's.")
   p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir (default: shipped)")
-  p.add_argument("--draft", default=None, help="draft checkpoint dir (default: the shipped draft when the "
-                                               "target is the shipped one)")
+  p.add_argument("--drafter", choices=KINDS, default=None,
+                 help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, or n-gram lookup in the "
+                      f"context (default: {DEFAULT_DRAFTER}, or the kind of --draft)")
+  p.add_argument("--draft", default=None, help="draft model or heads checkpoint dir (default: the shipped "
+                                               "weights of the drafter when the target is the shipped one)")
+  p.add_argument("--max-ngram", type=int, default=3, help="longest context match the ngram drafter tries")
   p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
   p.add_argument("--prompt-file", help="one prompt per line (write a newline inside a prompt as \\n), "
                                        "or JSONL with a \"prompt\" field")
@@ -57,15 +66,21 @@ def run(args: argparse.Namespace) -> dict:
 
   prompts = read_prompts(args)
   target = jspec.load(args.target)
-  draft = None
+  draft, drafter = None, None
   if not args.no_draft:
     if args.draft is not None:
-      draft = jspec.load(args.draft)
-    elif pathlib.Path(args.target).resolve() == DEFAULT_TARGET and DEFAULT_DRAFT.is_dir():
-      draft = jspec.load(DEFAULT_DRAFT)
+      draft, drafter = jspec.load(args.draft), args.drafter
+    else:
+      drafter = args.drafter or DEFAULT_DRAFTER
+      shipped = SHIPPED_DRAFTS.get(drafter)
+      if shipped is not None:
+        if pathlib.Path(args.target).resolve() != DEFAULT_TARGET:
+          raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped one")
+        draft = jspec.load(shipped)
   opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
-  result = jspec.generate(target, prompts, draft=draft, draft_len=args.draft_len, **opts)
+  result = jspec.generate(target, prompts, draft=draft, drafter=drafter, draft_len=args.draft_len,
+                          max_ngram=args.max_ngram, **opts)
   out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
                      for p, t, ids in zip(prompts, result.texts, result.token_ids)],
          "stats": result.stats, "baseline": None, "speedup": None}

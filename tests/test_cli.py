@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import cli, testing
+from jspec import cli, drafters, testing
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -67,6 +67,8 @@ BAD = [
     (["--seed", "-1"], "seeds must be in [0, 2**32)"),
     (["--draft", "{root}/draft-vocab"], "draft vocab size 300 differs"),
     ([], "no prompt given"),
+    (["--drafter", "medusa"], "--drafter medusa was given model weights"),
+    (["--drafter", "ngram"], "the ngram drafter takes no draft weights"),
 ]
 
 
@@ -109,3 +111,17 @@ def test_cli_json_end_to_end_in_a_subprocess(ckpts, tmp_path):
   bad = subprocess.run([sys.executable, "-m", "jspec.generate", "--target", "/nonexistent", "--prompt", "x"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
   assert bad.returncode == 2 and bad.stderr.startswith("error:") and bad.stderr.count("\n") == 1
+
+
+def test_cli_runs_every_drafter_kind(ckpts, capsys):
+  target = jspec.load(ckpts / "target")
+  heads = testing.random_heads(drafters.MedusaDrafter(target.config, 4))
+  drafters.save_heads(heads, ckpts / "medusa")
+  base = ["--target", str(ckpts / "target"), "--prompt", "abcabcabc", "--max-new-tokens", "6", "--json"]
+  for extra, kind in [(["--drafter", "ngram"], "ngram"), (["--draft", str(ckpts / "medusa")], "medusa"),
+                      (["--draft", str(ckpts / "draft")], "model")]:
+    assert cli.main(base + extra + ["--draft-len", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["drafter"] == kind and len(out["outputs"][0]["token_ids"]) == 6
+  assert cli.main(base + ["--drafter", "eagle"]) == 2
+  assert "needs --draft DIR for a target other than the shipped one" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import model, sampling, testing
+from jspec import drafters, model, sampling, testing
 from jspec.verify import verify, verify_greedy
 
 VOCAB = 8
@@ -23,12 +23,12 @@ def _params(temperature, top_k, top_p, batch=1):
                                  top_p=jnp.full((batch,), top_p, jnp.float32))
 
 
-def exact_joint(m, sp):
+def exact_joint(m, sp, prompt=PROMPT):
   """P(first two tokens) under the sampling transform, by enumerating every first token."""
-  seqs = np.asarray([PROMPT + [a] for a in range(VOCAB)])
+  seqs = np.asarray([prompt + [a] for a in range(VOCAB)])
   logits = model.forward_full(m.params, seqs, m.config)[0]
-  first = sampling.probabilities(logits[:1, len(PROMPT) - 1:len(PROMPT)], _params(*sp))[0, 0]
-  second = sampling.probabilities(logits[:, len(PROMPT):len(PROMPT) + 1], _params(*sp, batch=VOCAB))[:, 0]
+  first = sampling.probabilities(logits[:1, len(prompt) - 1:len(prompt)], _params(*sp))[0, 0]
+  second = sampling.probabilities(logits[:, len(prompt):len(prompt) + 1], _params(*sp, batch=VOCAB))[:, 0]
   return np.asarray(first)[:, None] * np.asarray(second)
 
 
@@ -43,23 +43,42 @@ def pair():
   return target, testing.perturbed(target, 1.0, seed=4)
 
 
+def _empirical_tv(target, prompt, sp, **kw):
+  want = exact_joint(target, sp, prompt)
+  r = jspec.generate(target, [prompt] * N, max_new_tokens=2, temperature=sp[0], top_k=sp[1], top_p=sp[2],
+                     seed=11, **kw)
+  counts = np.zeros((VOCAB, VOCAB))
+  for a, b in r.token_ids:
+    counts[a, b] += 1
+  return 0.5 * np.abs(counts / N - want).sum(), tv_bound(want, N), r.stats
+
+
 @pytest.mark.parametrize("sp", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8)], ids=["t1", "t07-topk3", "topp08"])
 @pytest.mark.parametrize("draft_len", [0, 1, 3])
 def test_first_two_tokens_match_the_exact_distribution(pair, sp, draft_len):
   target, draft = pair
-  want = exact_joint(target, sp)
-  bound = tv_bound(want, N)
   # The test can fail: the draft's own distribution is far outside the bound.
-  assert 0.5 * np.abs(exact_joint(draft, sp) - want).sum() > 3 * bound
-  r = jspec.generate(target, [PROMPT] * N, draft=draft if draft_len else None, max_new_tokens=2,
-                     draft_len=max(draft_len, 1), temperature=sp[0], top_k=sp[1], top_p=sp[2], seed=11)
-  counts = np.zeros((VOCAB, VOCAB))
-  for a, b in r.token_ids:
-    counts[a, b] += 1
-  tv = 0.5 * np.abs(counts / N - want).sum()
+  assert 0.5 * np.abs(exact_joint(draft, sp) - exact_joint(target, sp)).sum() > 3 * tv_bound(
+      exact_joint(target, sp), N)
+  kw = dict(draft=draft, draft_len=draft_len) if draft_len else {}
+  tv, bound, stats = _empirical_tv(target, PROMPT, sp, **kw)
   assert tv < bound, (tv, bound)
   if draft_len:
-    assert 0.02 < r.stats["acceptance_rate"] < 0.95  # both accept and reject paths are taken
+    assert 0.02 < stats["acceptance_rate"] < 0.95  # both accept and reject paths are taken
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "ngram"])
+def test_every_drafter_keeps_the_exact_distribution(pair, kind):
+  target, _ = pair
+  draft = None
+  if kind == "medusa":
+    draft = testing.random_heads(drafters.MedusaDrafter(target.config, 3), scale=2.0)
+  elif kind == "eagle":
+    draft = testing.random_heads(drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1)))
+  prompt = PROMPT + PROMPT[:2] if kind == "ngram" else PROMPT  # a repeat, so lookup proposes
+  tv, bound, stats = _empirical_tv(target, prompt, (0.7, 3, 1.0), draft=draft, drafter=kind, draft_len=3)
+  assert tv < bound, (tv, bound)
+  assert 0.02 < stats["acceptance_rate"] < 0.95
 
 
 def test_top_k_top_p_masks_are_never_violated():
