@@ -1,6 +1,7 @@
 """Benchmarks. Ratios are measured in one process, interleaved (A, B, A, B, ...), and reported as medians.
 
-  python tools/bench.py                 # AR vs speculative on the shipped pair, held-out code prompts
+  python tools/bench.py                 # AR vs every shipped drafter, held-out code prompts
+  python tools/bench.py --prompt-set edit --drafters ngram   # context-editing prompts
   python tools/bench.py --suite step    # decode-step costs: attention vs none, verify vs step, c
   python tools/bench.py --suite loop    # loop overhead and the verify cost curve on a ~30M model
   python tools/bench.py --quick         # a smoke run on tiny random models (CI)
@@ -25,7 +26,7 @@ from jax import lax  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import cache as kvcache  # noqa: E402
-from jspec import cli, data, model, testing  # noqa: E402
+from jspec import cli, data, drafters, model, testing  # noqa: E402
 from jspec.config import ModelConfig, num_params  # noqa: E402
 
 # ~31M parameters: the size the loop-overhead goal names (20-50M).
@@ -47,6 +48,24 @@ def interleaved(fns: dict, repeats: int) -> dict[str, float]:
       f()
       times[k].append(time.perf_counter() - t0)
   return {k: statistics.median(v) for k, v in times.items()}
+
+
+def edit_prompts(count: int, max_lines: int = 12) -> list[str]:
+  """Context-editing prompts: a held-out function, a request to rewrite it, and its first line again.
+
+  The continuation mostly repeats text from the prompt, which is where n-gram lookup should shine.
+  """
+  prompts = []
+  for path in data.corpus_files("heldout"):
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+    for i, line in enumerate(lines):
+      if line.startswith("def ") and i > 5:
+        body = "".join(lines[i:i + max_lines])
+        prompts.append(f"{body}\n# The same function, rewritten with better names:\n{line}")
+        break
+    if len(prompts) == count:
+      break
+  return prompts
 
 
 def heldout_prompts(count: int, max_chars: int = 600) -> list[str]:
@@ -189,31 +208,46 @@ def cost_ratio(target, draft, repeats: int) -> float:
   return t["draft"] / t["target"]
 
 
-def suite_spec(target, draft, prompts, draft_lens, max_new: int, repeats: int) -> dict:
-  out = {"prompts": len(prompts), "max_new_tokens": max_new, "target_params": num_params(target.config),
-         "draft_params": num_params(draft.config), "c": cost_ratio(target, draft, repeats), "rows": []}
-  for k in draft_lens:
-    walls = {"ar": [], "spec": []}
-    stats, mismatches = [], 0
-    for p in prompts:  # batch 1, as the goals are stated
-      t = interleaved({"ar": lambda: jspec.generate(target, [p], max_new_tokens=max_new),
-                       "spec": lambda: jspec.generate(target, [p], draft=draft, max_new_tokens=max_new,
-                                                      draft_len=k)}, repeats)
-      s = jspec.generate(target, [p], draft=draft, max_new_tokens=max_new, draft_len=k)
-      a = jspec.generate(target, [p], max_new_tokens=max_new)
-      mismatches += s.token_ids != a.token_ids  # greedy must match plain decoding (up to fp32 near-ties)
-      walls["ar"].append(t["ar"])
-      walls["spec"].append(t["spec"])
-      stats.append(s.stats)
-    tokens = sum(s["emitted_tokens"] for s in stats)
-    row = {"draft_len": k, "ar_tokens_per_second": tokens / sum(walls["ar"]),
-           "spec_tokens_per_second": tokens / sum(walls["spec"]), "speedup": sum(walls["ar"]) / sum(walls["spec"]),
-           "acceptance_rate": sum(s["accepted_tokens"] for s in stats) / sum(s["drafted_tokens"] for s in stats),
-           "tau": tokens / sum(s["rounds"] for s in stats), "outputs_differing_from_ar": mismatches,
-           "per_position_acceptance": [sum(s["per_position_acceptance"][i] * s["rounds"] for s in stats)
-                                       / sum(s["rounds"] for s in stats) for i in range(k)]}
-    out["rows"].append(row)
-    print(json.dumps(row), file=sys.stderr)
+def suite_spec(target, drafts: dict, prompts, draft_lens, max_new: int, repeats: int) -> dict:
+  """For each drafter and K: AR and speculative decoding of each prompt alone (batch 1, greedy),
+  interleaved; speedup, acceptance, tau, per-position acceptance, and outputs that differ from AR."""
+  target_params = num_params(target.config)
+  out = {"prompts": len(prompts), "max_new_tokens": max_new, "target_params": target_params, "drafters": {},
+         "rows": []}
+  for kind, draft in drafts.items():
+    size = 0 if draft is None else (num_params(draft.config) if kind == "model" else draft.num_params)
+    out["drafters"][kind] = {"params": size, "params_percent_of_target": 100 * size / target_params}
+    if kind == "model":
+      out["drafters"][kind]["c"] = cost_ratio(target, draft, repeats)
+  for kind, draft in drafts.items():
+    for k in draft_lens:
+      if kind == "medusa" and k > draft.drafter.num_heads:
+        continue
+      kw = dict(draft=draft, drafter=kind, max_new_tokens=max_new, draft_len=k)
+      walls = {"ar": [], "spec": []}
+      stats, mismatches = [], 0
+      for p in prompts:  # batch 1, as the goals are stated
+        t = interleaved({"ar": lambda: jspec.generate(target, [p], max_new_tokens=max_new),
+                         "spec": lambda: jspec.generate(target, [p], **kw)}, repeats)
+        s = jspec.generate(target, [p], **kw)
+        a = jspec.generate(target, [p], max_new_tokens=max_new)
+        mismatches += s.token_ids != a.token_ids  # greedy must match plain decoding (up to fp32 near-ties)
+        walls["ar"].append(t["ar"])
+        walls["spec"].append(t["spec"])
+        stats.append(s.stats)
+      tokens = sum(s["emitted_tokens"] for s in stats)
+      rounds = sum(s["rounds"] for s in stats)
+      drafted = sum(s["drafted_tokens"] for s in stats)
+      row = {"drafter": kind, "draft_len": k, "ar_tokens_per_second": tokens / sum(walls["ar"]),
+             "spec_tokens_per_second": tokens / sum(walls["spec"]),
+             "speedup": sum(walls["ar"]) / sum(walls["spec"]),
+             "acceptance_rate": sum(s["accepted_tokens"] for s in stats) / drafted if drafted else None,
+             "tau": tokens / rounds, "plain_forwards": sum(s["plain_forwards"] for s in stats),
+             "outputs_differing_from_ar": mismatches,
+             "per_position_acceptance": [sum(s["per_position_acceptance"][i] * s["rounds"] for s in stats)
+                                         / rounds for i in range(k)]}
+      out["rows"].append(row)
+      print(json.dumps(row), file=sys.stderr)
   return out
 
 
@@ -225,21 +259,29 @@ def main() -> int:
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--draft-lens", default="2,3,4,5,6")
+  ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
+  ap.add_argument("--prompt-set", choices=["code", "edit"], default="code",
+                  help="held-out code completions, or context-editing prompts")
   ap.add_argument("--out", default="bench-out/bench.json")
   args = ap.parse_args()
   if args.quick:
     target = testing.random_model(testing.TINY, scale=2.0)
-    draft = testing.perturbed(target, 0.3)
-    result = suite_spec(target, draft, ["def f(x):", "import os\n"], [2, 4], 16, 2)
+    drafts = {"model": testing.perturbed(target, 0.3),
+              "eagle": testing.random_heads(drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1))),
+              "ngram": None}
+    result = suite_spec(target, drafts, ["def f(x):", "import os\n"], [2, 4], 16, 2)
   elif args.suite == "step":
     result = suite_step(args.repeats)
   elif args.suite == "loop":
     result = suite_loop(args.repeats)
   else:
-    target, draft = jspec.load(cli.DEFAULT_TARGET), jspec.load(cli.DEFAULT_DRAFT)
-    prompts = heldout_prompts(args.prompts)
-    result = suite_spec(target, draft, prompts, [int(k) for k in args.draft_lens.split(",")],
+    target = jspec.load(cli.DEFAULT_TARGET)
+    drafts = {kind: jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
+              for kind in args.drafters.split(",")}
+    prompts = (edit_prompts if args.prompt_set == "edit" else heldout_prompts)(args.prompts)
+    result = suite_spec(target, drafts, prompts, [int(k) for k in args.draft_lens.split(",")],
                         args.max_new_tokens, args.repeats)
+    result["prompt_set"] = args.prompt_set
   result = {"suite": "quick" if args.quick else args.suite, "jax": jax.__version__,
             "device": str(jax.devices()[0].device_kind), **result}
   out = pathlib.Path(args.out)
