@@ -51,11 +51,13 @@ def check_request(target: Model, prompt_ids: list[list[int]], max_new_tokens: in
 def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
              draft: Model | drafters.Heads | None = None, drafter: str | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-             draft_len: int = 4, max_ngram: int = 3, seed: int | Sequence[int] = 0) -> Result:
+             draft_len: int = 4, max_ngram: int = 3, typical_acceptance: bool = False,
+             seed: int | Sequence[int] = 0) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft model or trained Medusa/EAGLE heads (`jspec.load` returns either); `drafter="ngram"`
-  needs no weights. With neither, decoding is plain autoregression. Row b samples with `seed + b` (or
+  needs no weights. With neither, decoding is plain autoregression. `typical_acceptance=True` swaps exact
+  rejection sampling for Medusa's typical acceptance: faster when sampling, but LOSSY (opt-in). Row b samples with `seed + b` (or
   `seed[b]` when a list is given), so a row is reproducible alone.
   """
   if isinstance(prompts, (str, bytes)):
@@ -84,7 +86,8 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   args = (target.params, drafter_params, prompts_BxP,
           np.asarray([len(p) for p in prompt_ids], np.int32), np.full((batch,), max_new_tokens, np.int32),
           engine.as_sampling(temperature, top_k, top_p, batch), seeds)
-  static = dict(target_config=target.config, drafter=chosen, draft_len=draft_len, capacity=capacity)
+  spec = decode.Speculation(draft_len, typical_acceptance) if chosen is not None else None
+  static = dict(target_config=target.config, drafter=chosen, spec=spec, capacity=capacity)
   executable, compile_seconds = engine.compiled_run(args, static)
   start = time.perf_counter()
   tokens, seq_lens, stats = jax.block_until_ready(executable(*args))
@@ -94,16 +97,19 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   token_ids = [tokens[b, len(p):seq_lens[b]].tolist() for b, p in enumerate(prompt_ids)]
   texts = [detokenize(target.tokenizer, ids) for ids in token_ids]
   return Result(texts=texts, token_ids=token_ids,
-                stats=summarize(stats, wall, compile_seconds, None if chosen is None else chosen.kind))
+                stats=summarize(stats, wall, compile_seconds, None if chosen is None else chosen.kind,
+                                typical_acceptance and chosen is not None))
 
 
 def summarize(stats: decode.DecodeStats, wall_seconds: float, compile_seconds: float,
-              drafter: str | None) -> dict[str, Any]:
+              drafter: str | None, lossy: bool = False) -> dict[str, Any]:
   s = jax.tree.map(np.asarray, stats)
   speculative = drafter is not None
   drafted, rounds, emitted = int(s.drafted), int(s.rounds), int(s.emitted)
   return {
       "drafter": drafter,
+      "verify": "typical acceptance (lossy)" if lossy else "exact rejection sampling" if speculative else None,
+      "lossy": lossy,
       "acceptance_rate": float(s.accepted) / drafted if drafted else None,
       "mean_accepted_length": emitted / rounds if rounds else None,
       "rounds": rounds,

@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (K)")
   p.add_argument("--seed", type=int, default=0, help="row b samples with seed + b")
   p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+  p.add_argument("--typical-acceptance", action="store_true",
+                 help="LOSSY: Medusa's typical acceptance instead of exact rejection sampling; output no longer "
+                      "follows the target's distribution exactly when sampling (greedy output is unchanged)")
   p.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   return p.parse_args(argv)
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
   opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
   result = jspec.generate(target, prompts, draft=draft, drafter=drafter, draft_len=args.draft_len,
-                          max_ngram=args.max_ngram, **opts)
+                          max_ngram=args.max_ngram, typical_acceptance=args.typical_acceptance, **opts)
   out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
                      for p, t, ids in zip(prompts, result.texts, result.token_ids)],
          "stats": result.stats, "baseline": None, "speedup": None}

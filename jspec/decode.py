@@ -9,6 +9,7 @@ so they write only into slots they already own.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import flax.struct
 import jax
@@ -20,12 +21,19 @@ from jspec import model
 from jspec.config import ModelConfig
 from jspec.drafters.base import Drafter, DrafterState
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
-from jspec.verify import verify, verify_greedy
+from jspec.verify import verify, verify_greedy, verify_typical
 
 # How many times each loop was traced; tests assert this does not grow across requests of one bucket.
 trace_counts: collections.Counter = collections.Counter()
 
 EWMA_WEIGHT = 0.1  # weight of the newest round in the acceptance EWMA, as in the seed's scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+  """How the speculative loop runs; static (hashable), part of the compiled shape."""
+  draft_len: int  # K: proposals per round
+  typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY, opt-in (see verify.verify_typical)
 
 
 @flax.struct.dataclass
@@ -147,7 +155,7 @@ def _target_step(params: model.Params, config: ModelConfig, state: DecodeState, 
 
 def _verify_step(target_params: model.Params, target_config: ModelConfig, drafter: Drafter,
                  state: DecodeState, draft_BxG: jax.Array, draft_logits: jax.Array, has_draft_B: jax.Array,
-                 verify_keys_Bx2: jax.Array) -> DecodeState:
+                 verify_keys_Bx2: jax.Array, typical_acceptance: bool = False) -> DecodeState:
   """The target scores the pending token and the G proposals in one forward and keeps an accepted prefix."""
   draft_len = draft_BxG.shape[1]
   n = state.seq_lens
@@ -155,11 +163,13 @@ def _verify_step(target_params: model.Params, target_config: ModelConfig, drafte
   positions = n[:, None] - 1 + jnp.arange(draft_len + 1)
   logits, hidden, target_cache = model.forward(target_params, chunk, positions, state.target_cache,
                                                target_config)
-  # q and p go through the same transform; an all-greedy batch needs only argmaxes.
-  n_accepted, token = lax.cond(
-      is_greedy(state.sampling), lambda: verify_greedy(draft_BxG, logits),
-      lambda: verify(verify_keys_Bx2, draft_BxG, probabilities(draft_logits, state.sampling),
-                     probabilities(logits, state.sampling)))
+  if typical_acceptance:
+    n_accepted, token = verify_typical(verify_keys_Bx2, draft_BxG, probabilities(logits, state.sampling))
+  else:  # q and p go through the same transform; an all-greedy batch needs only argmaxes.
+    n_accepted, token = lax.cond(
+        is_greedy(state.sampling), lambda: verify_greedy(draft_BxG, logits),
+        lambda: verify(verify_keys_Bx2, draft_BxG, probabilities(draft_logits, state.sampling),
+                       probabilities(logits, state.sampling)))
   if getattr(drafter, "can_skip_rounds", False):
     # A row without a proposal draws exactly what a plain target step would, with the same key, so its
     # tokens do not depend on whether another row's proposal turned this round into a verify.
@@ -186,14 +196,15 @@ def _verify_step(target_params: model.Params, target_config: ModelConfig, drafte
 
 
 def _speculative_step(target_params: model.Params, drafter_params, target_config: ModelConfig,
-                      drafter: Drafter, draft_len: int, state: DecodeState) -> DecodeState:
+                      drafter: Drafter, spec: Speculation, state: DecodeState) -> DecodeState:
+  draft_len = spec.draft_len
   state, keys = _split_keys(state, draft_len + 1)
   drafter_state, draft_BxG, draft_logits, has_draft = drafter.propose(
       drafter_params, target_params, state.drafter_state, state.tokens, state.seq_lens, keys[:draft_len],
       state.sampling)
   state = state.replace(drafter_state=drafter_state)
   verify_step = lambda: _verify_step(target_params, target_config, drafter, state, draft_BxG, draft_logits,
-                                     has_draft, keys[draft_len])
+                                     has_draft, keys[draft_len], spec.typical_acceptance)
   if not getattr(drafter, "can_skip_rounds", False):
     return verify_step()
 
@@ -215,8 +226,8 @@ def autoregressive(params: model.Params, config: ModelConfig, state: DecodeState
 
 
 def speculative(target_params: model.Params, drafter_params, target_config: ModelConfig, drafter: Drafter,
-                draft_len: int, state: DecodeState) -> DecodeState:
+                spec: Speculation, state: DecodeState) -> DecodeState:
   """Speculative decoding with any drafter until every row is done. Pure, like `autoregressive`."""
   trace_counts["speculative"] += 1
-  return _loop(lambda s: _speculative_step(target_params, drafter_params, target_config, drafter, draft_len,
-                                           s), state)
+  return _loop(lambda s: _speculative_step(target_params, drafter_params, target_config, drafter, spec, s),
+               state)

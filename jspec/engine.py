@@ -1,6 +1,6 @@
 """Jitted entry points (prefill + loop in one executable) and a compile cache keyed by shapes.
 
-Executables are compiled ahead of time once per (configs, draft length, batch, prompt bucket, capacity),
+Executables are compiled ahead of time once per (configs, drafter, speculation, batch, prompt bucket, capacity),
 so requests that differ only in prompt text, seeds or sampling values reuse them, and compile time can be
 reported apart from decode time.
 """
@@ -19,17 +19,17 @@ from jspec.drafters import Drafter
 from jspec.sampling import SamplingParams
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "draft_len", "capacity"))
+@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "spec", "capacity"))
 def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
         max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array, *,
-        target_config: ModelConfig, drafter: Drafter | None, draft_len: int,
+        target_config: ModelConfig, drafter: Drafter | None, spec: decode.Speculation | None,
         capacity: int) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
   """Prefills and decodes a batch; autoregressive when `drafter` is None.
 
   Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
   """
   state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
-                            target_config, drafter, draft_len)
+                            target_config, drafter, spec.draft_len if spec else 0)
   hidden, target_cache = model.prefill(target_params, target_config, state.target_cache, prompts_BxP,
                                        prompt_lens_B)
   state = state.replace(target_cache=target_cache)
@@ -38,7 +38,7 @@ def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array
   else:
     state = state.replace(drafter_state=drafter.prefill(drafter_params, target_params, state.drafter_state,
                                                         prompts_BxP, prompt_lens_B, hidden))
-    state = decode.speculative(target_params, drafter_params, target_config, drafter, draft_len, state)
+    state = decode.speculative(target_params, drafter_params, target_config, drafter, spec, state)
   return state.tokens, state.seq_lens, state.stats
 
 

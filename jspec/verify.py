@@ -40,3 +40,22 @@ def verify_greedy(draft_BxG: jax.Array, target_logits_BxG1xV: jax.Array) -> tupl
   best_BxG1 = jnp.argmax(target_logits_BxG1xV, axis=-1).astype(jnp.int32)
   n_accepted = jnp.sum(jnp.cumprod(draft_BxG == best_BxG1[:, :-1], axis=1), axis=1).astype(jnp.int32)
   return n_accepted, jnp.take_along_axis(best_BxG1, n_accepted[:, None], axis=1)[:, 0]
+
+
+# Medusa's defaults (Cai et al. 2024): accept x when p(x) > min(EPSILON, DELTA * exp(-entropy(p))).
+TYPICAL_EPSILON = 0.09
+TYPICAL_DELTA = 0.3
+
+
+def verify_typical(keys_B: jax.Array, draft_BxG: jax.Array, p_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Medusa's typical acceptance: LOSSY. Accepts each draft token the target finds plausible enough, then
+  samples the next token from p. The output no longer follows p exactly; greedy rows (one-hot p) still
+  accept only the argmax, so greedy output is unchanged."""
+  num_draft = draft_BxG.shape[1]
+  p_x = jnp.take_along_axis(p_BxG1xV[:, :num_draft], draft_BxG[..., None], axis=-1)[..., 0]
+  p = p_BxG1xV[:, :num_draft]
+  entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+  accepted_BxG = p_x > jnp.minimum(TYPICAL_EPSILON, TYPICAL_DELTA * jnp.exp(-entropy))
+  n_accepted = jnp.sum(jnp.cumprod(accepted_BxG, axis=1), axis=1).astype(jnp.int32)
+  p_n = jnp.take_along_axis(p_BxG1xV, n_accepted[:, None, None], axis=1)[:, 0]
+  return n_accepted, sample(keys_B, p_n)

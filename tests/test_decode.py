@@ -135,7 +135,7 @@ def test_chex_max_traces_on_the_pure_loop(pair):
     hidden, target_cache = model.prefill(target.params, target.config, state.target_cache, prompts, lens)
     state = state.replace(target_cache=target_cache, drafter_state=drafter.prefill(
         draft.params, target.params, state.drafter_state, prompts, lens, hidden))
-    return decode.speculative(target.params, draft.params, target.config, drafter, 3, state).tokens
+    return decode.speculative(target.params, draft.params, target.config, drafter, decode.Speculation(3), state).tokens
 
   for i in range(3):
     prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)

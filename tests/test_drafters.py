@@ -79,7 +79,7 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
                            sp)[2]
 
   step = jax.jit(lambda s: decode._speculative_step(target.params, dparams, target.config, drafter,
-                                                    draft_len, s))
+                                                    decode.Speculation(draft_len), s))
   ps = prompts(batch, seed=2)
   tokens = np.zeros((batch, width), np.int32)
   for b, p in enumerate(ps):

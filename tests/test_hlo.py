@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jspec import cache as kvcache
-from jspec import drafters, engine, testing
+from jspec import decode, drafters, engine, testing
 
 CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
@@ -18,7 +18,7 @@ def _hlo(batch, speculative, capacity=512):
           np.full((batch,), 3, np.int32), np.full((batch,), 8, np.int32),
           engine.as_sampling(0.0, 0, 1.0, batch), np.arange(batch, dtype=np.uint32))
   static = dict(target_config=CONFIG, drafter=drafters.ModelDrafter(DRAFT) if speculative else None,
-                draft_len=4 if speculative else 0, capacity=capacity)
+                spec=decode.Speculation(4) if speculative else None, capacity=capacity)
   return engine.run.lower(*args, **static).compile().as_text()
 
 

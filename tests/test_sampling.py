@@ -9,7 +9,7 @@ import pytest
 
 import jspec
 from jspec import drafters, model, sampling, testing
-from jspec.verify import verify, verify_greedy
+from jspec.verify import verify, verify_greedy, verify_typical
 
 VOCAB = 8
 TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=VOCAB, eos_id=None)
@@ -135,3 +135,25 @@ def test_verify_greedy_cases():
     # The all-greedy shortcut works from logits whose argmax is p's one-hot, and must agree.
     n, nxt = verify_greedy(jnp.asarray([drafts]), p * 3.0 + 0.5)
     assert (int(n[0]), int(nxt[0])) == (want_n, want_next)
+
+
+def test_typical_acceptance_is_labelled_lossy_and_keeps_greedy_output(pair):
+  target, draft = pair
+  greedy = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12)
+  typical = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12,
+                           typical_acceptance=True)
+  assert typical.token_ids == greedy.token_ids
+  assert typical.stats["lossy"] is True and "lossy" in typical.stats["verify"]
+  assert greedy.stats["lossy"] is False
+  sampled = jspec.generate(target, [PROMPT] * 64, draft=draft, draft_len=3, max_new_tokens=12, temperature=1.0,
+                           typical_acceptance=True)
+  assert all(len(ids) == 12 for ids in sampled.token_ids)
+
+
+def test_typical_acceptance_rule():
+  # p = [0.5, 0.3, 0.2, 0, ...]: entropy 1.03, delta * exp(-H) = 0.107 > epsilon = 0.09, so the bar is 0.09.
+  p = jnp.zeros((1, 3, VOCAB)).at[:, :, :3].set(jnp.asarray([0.5, 0.3, 0.2]))
+  n, _ = verify_typical(jax.random.PRNGKey(0)[None], jnp.asarray([[2, 1]]), p)
+  assert int(n[0]) == 2
+  n, _ = verify_typical(jax.random.PRNGKey(0)[None], jnp.asarray([[2, 5]]), p)
+  assert int(n[0]) == 1
