@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jspec import cache as kvcache
+from jspec import adaptive as adaptive_policy
 from jspec import decode, drafters, engine
 from jspec.checkpoint import Model
 from jspec.tokenizer import decode as detokenize
@@ -52,13 +53,20 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
              draft: Model | drafters.Heads | None = None, drafter: str | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              draft_len: int = 4, max_ngram: int = 3, typical_acceptance: bool = False,
+             adaptive: bool = False, fallback_threshold: float = 0.4, probe_interval: int = 16,
+             cost_ratio: float = 0.1, disable_at_batch_size: int | None = None,
              seed: int | Sequence[int] = 0) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft model or trained Medusa/EAGLE heads (`jspec.load` returns either); `drafter="ngram"`
   needs no weights. With neither, decoding is plain autoregression. `typical_acceptance=True` swaps exact
-  rejection sampling for Medusa's typical acceptance: faster when sampling, but LOSSY (opt-in). Row b samples with `seed + b` (or
-  `seed[b]` when a list is given), so a row is reproducible alone.
+  rejection sampling for Medusa's typical acceptance: faster when sampling, but LOSSY (opt-in).
+
+  `adaptive=True` makes `draft_len` the largest K and picks each round's K (or a plain step) inside the
+  loop from acceptance statistics (see `jspec.adaptive`); `fallback_threshold=0` turns fallback off.
+  With `disable_at_batch_size=N`, batches of N or more rows decode plainly. Row b samples with `seed + b`
+  (or `seed[b]` when a list is given), so a row is reproducible alone (not with `adaptive`, whose K is
+  chosen for the whole batch).
   """
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]
@@ -70,9 +78,25 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   chosen, drafter_params = drafters.resolve(target, draft, drafter, max_ngram, draft_len)
   check_request(target, prompt_ids, max_new_tokens, temperature, top_k, top_p, chosen, draft_len)
   batch = len(prompt_ids)
-  draft_len = draft_len if chosen is not None else 0
+  if disable_at_batch_size is not None and batch >= disable_at_batch_size:
+    chosen, drafter_params = None, None  # vLLM's rule: large batches gain little from speculation
+  spec, headroom = None, 0
+  if chosen is not None:
+    policy = None
+    if adaptive:
+      if not 0 <= fallback_threshold <= 1:
+        raise ValueError(f"fallback_threshold must be in [0, 1], got {fallback_threshold}")
+      if probe_interval < 1:
+        raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+      if cost_ratio <= 0:
+        raise ValueError(f"cost_ratio must be > 0, got {cost_ratio}")
+      policy = adaptive_policy.Policy(cost_ratio, fallback_threshold, probe_interval)
+      if isinstance(chosen, drafters.ModelDrafter):  # plain steps leave the draft model behind (see there)
+        chosen = dataclasses.replace(chosen, max_lag=probe_interval + 1)
+    spec = decode.Speculation(draft_len, typical_acceptance, policy)
+    headroom = max(draft_len, getattr(chosen, "max_lag", 0))
   width = engine.prompt_bucket(max(len(p) for p in prompt_ids))
-  capacity = kvcache.round_capacity(decode.required_capacity(width, max_new_tokens, draft_len))
+  capacity = kvcache.round_capacity(decode.required_capacity(width, max_new_tokens, headroom))
 
   prompts_BxP = np.zeros((batch, width), np.int32)
   for b, ids in enumerate(prompt_ids):
@@ -86,7 +110,6 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   args = (target.params, drafter_params, prompts_BxP,
           np.asarray([len(p) for p in prompt_ids], np.int32), np.full((batch,), max_new_tokens, np.int32),
           engine.as_sampling(temperature, top_k, top_p, batch), seeds)
-  spec = decode.Speculation(draft_len, typical_acceptance) if chosen is not None else None
   static = dict(target_config=target.config, drafter=chosen, spec=spec, capacity=capacity)
   executable, compile_seconds = engine.compiled_run(args, static)
   start = time.perf_counter()
@@ -98,11 +121,11 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   texts = [detokenize(target.tokenizer, ids) for ids in token_ids]
   return Result(texts=texts, token_ids=token_ids,
                 stats=summarize(stats, wall, compile_seconds, None if chosen is None else chosen.kind,
-                                typical_acceptance and chosen is not None))
+                                typical_acceptance and chosen is not None, adaptive and chosen is not None))
 
 
 def summarize(stats: decode.DecodeStats, wall_seconds: float, compile_seconds: float,
-              drafter: str | None, lossy: bool = False) -> dict[str, Any]:
+              drafter: str | None, lossy: bool = False, adaptive: bool = False) -> dict[str, Any]:
   s = jax.tree.map(np.asarray, stats)
   speculative = drafter is not None
   drafted, rounds, emitted = int(s.drafted), int(s.rounds), int(s.emitted)
@@ -120,8 +143,19 @@ def summarize(stats: decode.DecodeStats, wall_seconds: float, compile_seconds: f
       "accepted_tokens": int(s.accepted),
       "emitted_tokens": emitted,
       "per_position_acceptance": [float(a) / rounds for a in s.accepted_at] if speculative and rounds else [],
-      "acceptance_ewma": float(np.mean(s.acceptance_ewma)) if speculative else None,
+      "acceptance_ewma": _mean_finite(s.acceptance.ewma_rate) if speculative else None,
+      "acceptance_window": _mean_finite(s.acceptance.window_rate) if speculative else None,
+      "adaptive": adaptive,
+      "draft_len_counts": {k: int(c) for k, c in enumerate(s.draft_len_counts) if c} if speculative else {},
+      "fallback_rounds": int(s.fallback_rounds),
+      "probe_rounds": int(s.probe_rounds),
       "tokens_per_second": emitted / wall_seconds if wall_seconds > 0 else None,
       "wall_seconds": wall_seconds,
       "compile_seconds": compile_seconds,
   }
+
+
+def _mean_finite(x: np.ndarray) -> float | None:
+  """The mean over rows with data (NaN marks a row that never tested a proposal)."""
+  x = x[np.isfinite(x)]
+  return float(x.mean()) if x.size else None

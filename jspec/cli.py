@@ -11,6 +11,8 @@ DEFAULT_TARGET = CHECKPOINTS / "code-target"
 # The shipped weights of each drafter for the shipped target (ngram needs none).
 SHIPPED_DRAFTS = {"model": CHECKPOINTS / "code-draft", "medusa": CHECKPOINTS / "code-target-medusa",
                   "eagle": CHECKPOINTS / "code-target-eagle"}
+# c for each shipped drafter on the shipped target (tools/bench.py --suite spec, "c" per drafter).
+SHIPPED_COST_RATIO = {"model": 0.07, "medusa": 0.05, "eagle": 0.15, "ngram": 0.01}
 DEFAULT_DRAFTER = "model"  # the best measured speedup on held-out code (README, "Drafters")
 KINDS = ("model", "medusa", "eagle", "ngram")
 
@@ -36,6 +38,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (K)")
   p.add_argument("--seed", type=int, default=0, help="row b samples with seed + b")
   p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+  p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
+                 help="pick each round's K (up to --draft-len) from the carried acceptance, inside the loop, and "
+                      "fall back to plain decoding when acceptance is low")
+  p.add_argument("--fallback-threshold", type=float, default=0.4,
+                 help="adaptive: plain steps while the windowed acceptance is below this (0 = never)")
+  p.add_argument("--probe-interval", type=int, default=16,
+                 help="adaptive: plain steps between speculative probes during fallback")
+  p.add_argument("--cost-ratio", type=float, default=None,
+                 help="adaptive: the drafter's step cost over the target's, c (default: measured for the "
+                      "shipped drafters, else 0.1)")
+  p.add_argument("--disable-at-batch-size", type=int, default=None,
+                 help="decode plainly when the batch has at least this many prompts")
   p.add_argument("--typical-acceptance", action="store_true",
                  help="LOSSY: Medusa's typical acceptance instead of exact rejection sampling; output no longer "
                       "follows the target's distribution exactly when sampling (greedy output is unchanged)")
@@ -83,7 +97,10 @@ def run(args: argparse.Namespace) -> dict:
   opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
   result = jspec.generate(target, prompts, draft=draft, drafter=drafter, draft_len=args.draft_len,
-                          max_ngram=args.max_ngram, typical_acceptance=args.typical_acceptance, **opts)
+                          max_ngram=args.max_ngram, typical_acceptance=args.typical_acceptance,
+                          adaptive=args.adaptive, fallback_threshold=args.fallback_threshold,
+                          probe_interval=args.probe_interval, disable_at_batch_size=args.disable_at_batch_size,
+                          cost_ratio=args.cost_ratio or SHIPPED_COST_RATIO.get(drafter, 0.1), **opts)
   out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
                      for p, t, ids in zip(prompts, result.texts, result.token_ids)],
          "stats": result.stats, "baseline": None, "speedup": None}

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec import adaptive
 from jspec import cache as kvcache
 from jspec import model
 from jspec.config import ModelConfig
@@ -26,14 +27,14 @@ from jspec.verify import verify, verify_greedy, verify_typical
 # How many times each loop was traced; tests assert this does not grow across requests of one bucket.
 trace_counts: collections.Counter = collections.Counter()
 
-EWMA_WEIGHT = 0.1  # weight of the newest round in the acceptance EWMA, as in the seed's scheduler
 
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
   """How the speculative loop runs; static (hashable), part of the compiled shape."""
-  draft_len: int  # K: proposals per round
+  draft_len: int  # K, or K_max when adaptive
   typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY, opt-in (see verify.verify_typical)
+  adaptive: adaptive.Policy | None = None  # None: every round drafts `draft_len`
 
 
 @flax.struct.dataclass
@@ -47,14 +48,18 @@ class DecodeStats:
   accepted: jax.Array
   accepted_at: jax.Array  # [G]: rounds whose draft token at position i was accepted
   emitted: jax.Array
-  acceptance_ewma: jax.Array  # [B]
+  draft_len_counts: jax.Array  # [G+1]: batched rounds that drafted K tokens (K = 0: a plain step)
+  fallback_rounds: jax.Array  # adaptive: plain steps chosen because acceptance fell below the threshold
+  probe_rounds: jax.Array  # adaptive: speculative rounds run during fallback to re-measure
+  acceptance: adaptive.Acceptance  # per-row EWMA and window of the per-token acceptance rate
 
   @classmethod
-  def zeros(cls, batch: int, draft_len: int) -> "DecodeStats":
+  def zeros(cls, batch: int, draft_len: int, window: int = 8) -> "DecodeStats":
     z = jnp.zeros((), jnp.int32)
     return cls(rounds=z, target_forwards=z, draft_forwards=z, plain_forwards=z, drafted=z, accepted=z,
                accepted_at=jnp.zeros((draft_len,), jnp.int32), emitted=z,
-               acceptance_ewma=jnp.ones((batch,), jnp.float32))
+               draft_len_counts=jnp.zeros((draft_len + 1,), jnp.int32), fallback_rounds=z, probe_rounds=z,
+               acceptance=adaptive.Acceptance.zeros(batch, window))
 
 
 @flax.struct.dataclass
@@ -78,7 +83,7 @@ class DecodeState:
 
 def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array,
                sampling: SamplingParams, seeds_B: jax.Array, capacity: int, target_config: ModelConfig,
-               drafter: Drafter | None = None, draft_len: int = 0) -> DecodeState:
+               drafter: Drafter | None = None, draft_len: int = 0, window: int = 8) -> DecodeState:
   """A state holding right-padded prompts and empty caches of `capacity` slots (see `required_capacity`)."""
   batch, prompt_width = prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(prompts_BxP)
@@ -89,13 +94,14 @@ def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_
       keys=jax.vmap(jax.random.PRNGKey)(seeds_B.astype(jnp.uint32)), sampling=sampling,
       target_cache=kvcache.init_cache(target_config, batch, capacity),
       drafter_state=None if drafter is None else drafter.init(batch, capacity, draft_len),
-      stats=DecodeStats.zeros(batch, max(draft_len, 1)),
+      stats=DecodeStats.zeros(batch, max(draft_len, 1), window),
       eos_id=jnp.asarray(-1 if eos is None else eos, jnp.int32))
 
 
-def required_capacity(prompt_width: int, max_new_tokens: int, draft_len: int) -> int:
-  """Slots a request needs: the padded prompt, every new token, and one verify chunk of headroom."""
-  return prompt_width + max_new_tokens + draft_len + 1
+def required_capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
+  """Slots a request needs: the padded prompt, every new token, and `headroom` + 1 more for the widest
+  chunk a round writes past the text (a verify of K+1 tokens, or a drafter's catch-up)."""
+  return prompt_width + max_new_tokens + headroom + 1
 
 
 def _split_keys(state: DecodeState, num: int) -> tuple[DecodeState, jax.Array]:
@@ -138,7 +144,7 @@ def _autoregressive_step(params: model.Params, config: ModelConfig, state: Decod
 
 
 def _target_step(params: model.Params, config: ModelConfig, state: DecodeState, keys_Bx2: jax.Array,
-                 drafter: Drafter | None = None) -> DecodeState:
+                 drafter: Drafter | None = None, drafter_params=None) -> DecodeState:
   """One target forward, one token per row; a drafter, if any, sees the target's features."""
   n = state.seq_lens
   logits, hidden, cache = model.forward(params, _gather(state.tokens, n[:, None] - 1), n[:, None] - 1,
@@ -149,11 +155,12 @@ def _target_step(params: model.Params, config: ModelConfig, state: DecodeState, 
   state = state.replace(target_cache=cache.rewind(state.seq_lens - 1),
                         stats=_count_round(state.stats, active, num_new))
   if drafter is not None:
-    state = state.replace(drafter_state=drafter.observe(state.drafter_state, hidden, n, state.seq_lens))
+    state = state.replace(drafter_state=drafter.observe(drafter_params, params, state.drafter_state, state.tokens,
+                                                        hidden, n, state.seq_lens))
   return state
 
 
-def _verify_step(target_params: model.Params, target_config: ModelConfig, drafter: Drafter,
+def _verify_step(target_params: model.Params, target_config: ModelConfig, drafter: Drafter, drafter_params,
                  state: DecodeState, draft_BxG: jax.Array, draft_logits: jax.Array, has_draft_B: jax.Array,
                  verify_keys_Bx2: jax.Array, typical_acceptance: bool = False) -> DecodeState:
   """The target scores the pending token and the G proposals in one forward and keeps an accepted prefix."""
@@ -187,31 +194,52 @@ def _verify_step(target_params: model.Params, target_config: ModelConfig, drafte
   stats = st.replace(
       draft_forwards=st.draft_forwards + draft_len, drafted=st.drafted + draft_len * counted.sum(),
       accepted=st.accepted + jnp.where(counted, n_accepted, 0).sum(),
-      accepted_at=st.accepted_at + jnp.sum(counted[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0),
-      acceptance_ewma=jnp.where(
-          counted, (1 - EWMA_WEIGHT) * st.acceptance_ewma + EWMA_WEIGHT * n_accepted / draft_len,
-          st.acceptance_ewma))
+      accepted_at=st.accepted_at.at[:draft_len].add(
+          jnp.sum(counted[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0)),
+      acceptance=st.acceptance.record(counted, n_accepted, draft_len))
   return state.replace(target_cache=target_cache.rewind(new_n - 1), stats=stats,
-                       drafter_state=drafter.observe(state.drafter_state, hidden, n, new_n))
+                       drafter_state=drafter.observe(drafter_params, target_params, state.drafter_state,
+                                                     state.tokens, hidden, n, new_n))
 
 
-def _speculative_step(target_params: model.Params, drafter_params, target_config: ModelConfig,
-                      drafter: Drafter, spec: Speculation, state: DecodeState) -> DecodeState:
-  draft_len = spec.draft_len
-  state, keys = _split_keys(state, draft_len + 1)
+def _plain_step(target_params, drafter_params, target_config, drafter, state, keys_Bx2) -> DecodeState:
+  """A target step inside the speculative loop: no proposals; the drafter still sees the target."""
+  s = _target_step(target_params, target_config, state, keys_Bx2, drafter, drafter_params)
+  return s.replace(stats=s.stats.replace(plain_forwards=s.stats.plain_forwards + 1,
+                                         acceptance=s.stats.acceptance.after_plain_round()))
+
+
+def _draft_and_verify(target_params, drafter_params, target_config, drafter, spec: Speculation, draft_len: int,
+                      state: DecodeState, keys) -> DecodeState:
   drafter_state, draft_BxG, draft_logits, has_draft = drafter.propose(
       drafter_params, target_params, state.drafter_state, state.tokens, state.seq_lens, keys[:draft_len],
       state.sampling)
   state = state.replace(drafter_state=drafter_state)
-  verify_step = lambda: _verify_step(target_params, target_config, drafter, state, draft_BxG, draft_logits,
-                                     has_draft, keys[draft_len], spec.typical_acceptance)
+  verify_keys = keys[spec.draft_len]
+  verify_step = lambda: _verify_step(target_params, target_config, drafter, drafter_params, state, draft_BxG,
+                                     draft_logits, has_draft, verify_keys, spec.typical_acceptance)
   if not getattr(drafter, "can_skip_rounds", False):
     return verify_step()
+  return lax.cond(jnp.any(has_draft & ~state.done), verify_step,
+                  lambda: _plain_step(target_params, drafter_params, target_config, drafter, state, verify_keys))
 
-  def plain_step():
-    s = _target_step(target_params, target_config, state, keys[draft_len], drafter)
-    return s.replace(stats=s.stats.replace(plain_forwards=s.stats.plain_forwards + 1))
-  return lax.cond(jnp.any(has_draft & ~state.done), verify_step, plain_step)
+
+def _speculative_step(target_params: model.Params, drafter_params, target_config: ModelConfig,
+                      drafter: Drafter, spec: Speculation, state: DecodeState) -> DecodeState:
+  state, keys = _split_keys(state, spec.draft_len + 1)
+  count = lambda s, k: s.replace(stats=s.stats.replace(draft_len_counts=s.stats.draft_len_counts.at[k].add(1)))
+  if spec.adaptive is None:
+    return count(_draft_and_verify(target_params, drafter_params, target_config, drafter, spec, spec.draft_len,
+                                   state, keys), spec.draft_len)
+  # One branch per K (and a plain step for K = 0), chosen at run time: nothing recompiles as K changes.
+  draft_len, probe = adaptive.choose(state.stats.acceptance, ~state.done, spec.adaptive, spec.draft_len)
+  branches = [lambda s: _plain_step(target_params, drafter_params, target_config, drafter, s, keys[spec.draft_len])]
+  branches += [lambda s, k=k: _draft_and_verify(target_params, drafter_params, target_config, drafter, spec, k, s,
+                                                keys) for k in range(1, spec.draft_len + 1)]
+  state = count(lax.switch(draft_len, branches, state), draft_len)
+  st = state.stats
+  return state.replace(stats=st.replace(fallback_rounds=st.fallback_rounds + (draft_len == 0),
+                                        probe_rounds=st.probe_rounds + probe))
 
 
 def _loop(step, state: DecodeState) -> DecodeState:

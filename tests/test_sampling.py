@@ -157,3 +157,13 @@ def test_typical_acceptance_rule():
   assert int(n[0]) == 2
   n, _ = verify_typical(jax.random.PRNGKey(0)[None], jnp.asarray([[2, 5]]), p)
   assert int(n[0]) == 1
+
+
+def test_adaptive_speculation_with_fallback_keeps_the_exact_distribution(pair):
+  # A high threshold: a row whose first round rejects early falls back to plain steps for its second token,
+  # so both plain and speculative tokens are in the sample.
+  target, draft = pair
+  tv, bound, stats = _empirical_tv(target, PROMPT, (1.0, 0, 1.0), draft=draft, draft_len=3, adaptive=True,
+                                   fallback_threshold=0.9, probe_interval=1)
+  assert tv < bound, (tv, bound)
+  assert stats["fallback_rounds"] > 0 and stats["draft_len_counts"].get(3, 0) > 0

@@ -6,7 +6,8 @@ loop's carried state. Each round the loop calls:
 
   propose(...)  -> K proposals per row and the logits each was sampled from (q for rejection sampling);
   observe(...)  -> after the target forward and the commit: learn the target's features of the round and
-                   roll back to the accepted text.
+                   roll back to the accepted text. A round may also be a plain target step (no proposals:
+                   n-gram misses, adaptive fallback), which observe sees as S = 1.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ class Drafter(Protocol):
     still returns well-formed tokens and logits; when no row has one, the loop runs a plain target step.
     """
 
-  def observe(self, state: DrafterState, hidden_BxSxD: jax.Array, n_B: jax.Array,
-              new_n_B: jax.Array) -> DrafterState:
+  def observe(self, params: Any, target_params: Any, state: DrafterState, tokens_BxL: jax.Array,
+              hidden_BxSxD: jax.Array, n_B: jax.Array, new_n_B: jax.Array) -> DrafterState:
     """After a target forward over S tokens at positions `[n-1, n-1+S)`, with `new_n` tokens now held."""
 
 

@@ -2,7 +2,9 @@
 
 The draft cache holds `[0, d)` with d = n-1, or d = n-2 after a round that accepted every draft (the draft
 never fed its own last proposal). Each round's first step feeds the two tokens at `[d, d+2)` and reads the
-logits at slot n-1, which catches up in both cases with one fixed shape.
+logits at slot n-1, which catches up in both cases with one fixed shape. Plain target steps (adaptive
+fallback) run no draft forward at all and leave the draft behind by one more token each; the next round
+then catches up with one wider forward of `max_lag + 1` tokens, so d >= n - 1 - max_lag must hold.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from jspec.sampling import SamplingParams, next_token
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
   config: ModelConfig
+  max_lag: int = 1  # most tokens the cache may trail the text by at the start of a round
   kind: str = "model"
 
   def init(self, batch: int, capacity: int, draft_len: int) -> kvcache.KVCache:
@@ -33,10 +36,18 @@ class ModelDrafter:
               seq_lens_B: jax.Array, keys_GxBx2: jax.Array, sampling: SamplingParams):
     n = seq_lens_B
     d = cache.lengths
-    two = d[:, None] + jnp.arange(2)
-    logits, _, cache = model.forward(params, jnp.take_along_axis(tokens_BxL, two, axis=1), two, cache,
-                                     self.config)
-    logits_BxV = jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)[:, 0]
+
+    def catch_up(width):
+      span = d[:, None] + jnp.arange(width)
+      logits, _, c = model.forward(params, jnp.take_along_axis(tokens_BxL, span, axis=1), span, cache,
+                                   self.config)
+      return jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)[:, 0], c
+
+    if self.max_lag <= 1:
+      logits_BxV, cache = catch_up(2)
+    else:  # the wide forward only after plain steps
+      logits_BxV, cache = lax.cond(jnp.all(n - 1 - d <= 1), lambda: catch_up(2),
+                                   lambda: catch_up(self.max_lag + 1))
     cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
     def body(carry, key_Bx2):
@@ -52,6 +63,8 @@ class ModelDrafter:
     logits_BxGxV = jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)
     return cache, tokens_BxG, logits_BxGxV, jnp.ones(n.shape, bool)
 
-  def observe(self, cache: kvcache.KVCache, hidden_BxSxD, n_B, new_n_B) -> kvcache.KVCache:
-    # The draft fed proposals up to slot n+G-2; keep what the accepted text shares with them.
-    return cache.rewind(jnp.minimum(new_n_B - 1, n_B + hidden_BxSxD.shape[1] - 2))
+  def observe(self, params, target_params, cache: kvcache.KVCache, tokens_BxL, hidden_BxSxD, n_B,
+              new_n_B) -> kvcache.KVCache:
+    # After a round the draft holds its proposals up to slot n+G-2: keep what the accepted text shares with
+    # them. After a plain step it holds what it held, which now trails the text by one more token.
+    return cache.rewind(jnp.minimum(cache.lengths, new_n_B - 1))

@@ -9,7 +9,8 @@ Cache invariant: at the start of a round the cache holds positions `[0, start)` 
 position of the target features kept in `Features` (the last target forward's). The round first feeds those
 real features (a fixed C = K+1 of them, the valid ones being `[start, n-1)`), reads the prediction at n-2,
 rewinds to n-1, and then continues on its own features. After verification it rewinds to the new `start`,
-so drafted positions are always recomputed from real features.
+so drafted positions are always recomputed from real features. A plain target step feeds the pending real
+features the same way (one C-wide forward, no proposals) before keeping the step's one new feature.
 """
 from __future__ import annotations
 
@@ -72,16 +73,20 @@ class EagleDrafter:
     features = Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.features.feats_BxCxD.shape[1])
     return EagleState(cache.rewind(features.start_B), features)
 
-  def propose(self, params, target_params, state: EagleState, tokens_BxL, seq_lens_B, keys_GxBx2,
-              sampling: SamplingParams):
-    n, feats = seq_lens_B, state.features
+  def _catch_up(self, params, target_params, state: EagleState, tokens_BxL, n_B):
+    """Feeds the kept real features; returns the predicted feature of position n-1 and the cache at n-1."""
+    feats = state.features
     width = feats.feats_BxCxD.shape[1]
     positions = feats.start_B[:, None] + jnp.arange(width)
     next_tokens = jnp.take_along_axis(tokens_BxL, jnp.minimum(positions + 1, tokens_BxL.shape[1] - 1), axis=1)
     pred_BxCxD, cache = self.step(params, target_params, state.cache, feats.feats_BxCxD, next_tokens, positions)
-    at = jnp.clip(n - 2 - feats.start_B, 0, width - 1)
-    feature_BxD = jnp.take_along_axis(pred_BxCxD, at[:, None, None], axis=1)[:, 0]
-    cache = cache.rewind(jnp.maximum(n - 1, 0))
+    at = jnp.clip(n_B - 2 - feats.start_B, 0, width - 1)
+    return jnp.take_along_axis(pred_BxCxD, at[:, None, None], axis=1)[:, 0], cache.rewind(jnp.maximum(n_B - 1, 0))
+
+  def propose(self, params, target_params, state: EagleState, tokens_BxL, seq_lens_B, keys_GxBx2,
+              sampling: SamplingParams):
+    n, feats = seq_lens_B, state.features
+    feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxL, n)
     logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None])[:, 0]
 
     def body(carry, key_Bx2):
@@ -99,9 +104,13 @@ class EagleDrafter:
     logits_BxGxV = jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)
     return EagleState(cache, feats), tokens_BxG, logits_BxGxV, jnp.ones(n.shape, bool)
 
-  def observe(self, state: EagleState, hidden_BxSxD, n_B, new_n_B) -> EagleState:
+  def observe(self, params, target_params, state: EagleState, tokens_BxL, hidden_BxSxD, n_B,
+              new_n_B) -> EagleState:
+    cache = state.cache
+    if hidden_BxSxD.shape[1] == 1:  # a plain step: nothing was proposed, so feed what is pending first
+      cache = self._catch_up(params, target_params, state, tokens_BxL, n_B)[1]
     features = state.features.update(hidden_BxSxD, n_B)
-    return EagleState(state.cache.rewind(features.start_B), features)
+    return EagleState(cache.rewind(features.start_B), features)
 
   def loss(self, params: dict, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array, target_params: dict,
            tokens_BxS: jax.Array, feature_weight: float = 1.0, noise: float = 0.0,

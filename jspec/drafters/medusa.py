@@ -47,7 +47,7 @@ class MedusaDrafter:
     tokens_BxG = jnp.stack([next_token(keys_GxBx2[i], logits_BxGxV[:, i], sampling) for i in range(num)], 1)
     return state, tokens_BxG, logits_BxGxV, jnp.ones(seq_lens_B.shape, bool)
 
-  def observe(self, state: Features, hidden_BxSxD, n_B, new_n_B) -> Features:
+  def observe(self, params, target_params, state: Features, tokens_BxL, hidden_BxSxD, n_B, new_n_B) -> Features:
     return state.update(hidden_BxSxD, n_B)
 
   def loss(self, params: dict, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,

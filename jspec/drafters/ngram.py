@@ -57,5 +57,5 @@ class NgramDrafter:
     logits_BxGxV = jnp.where(jax.nn.one_hot(tokens_BxG, self.vocab_size, dtype=bool), 0.0, -jnp.inf)
     return None, tokens_BxG, logits_BxGxV, found
 
-  def observe(self, state, hidden_BxSxD, n_B, new_n_B) -> None:
+  def observe(self, params, target_params, state, tokens_BxL, hidden_BxSxD, n_B, new_n_B) -> None:
     return None

@@ -1,0 +1,100 @@
+"""Adaptive speculation, decided inside the loop from carried acceptance statistics.
+
+Per row we carry the per-token acceptance rate two ways: an EWMA (weight 0.1) and a rolling window of the
+last W speculative rounds. A round that accepts a of K proposals tested a + [a < K] of them (the first
+rejection is a test too; nothing after it is), so the rate estimates alpha, the chance that one proposal
+is accepted, whatever K was. The batch shares one target forward, so the policy is per batch:
+
+- K: the one that maximizes the mean over active rows of Leviathan's expected speedup
+  (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)), alpha from each row's EWMA, c the drafter's cost ratio;
+  `initial_draft_len` until any row has data.
+- Fallback: when the mean windowed rate of the active rows with data is below `fallback_threshold`, the
+  round is a plain target step (branch 0). Every `probe_interval` plain rounds, one speculative round
+  (a probe) re-measures, so speculation resumes when the text turns predictable again.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+EWMA_WEIGHT = 0.1  # weight of the newest round, as in the seed's scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  cost_ratio: float = 0.1  # c: a draft step's time over a target step's (measured: tools/bench.py)
+  fallback_threshold: float = 0.4  # 0 disables fallback
+  probe_interval: int = 16  # plain rounds between probes
+  window: int = 8  # W: rounds in the rolling window
+  initial_draft_len: int = 4
+
+
+@flax.struct.dataclass
+class Acceptance:
+  ewma_accepted_B: jax.Array
+  ewma_tested_B: jax.Array
+  window_accepted_BxW: jax.Array
+  window_tested_BxW: jax.Array
+  slot: jax.Array  # [] int32: the window slot the next speculative round writes
+  plain_since_spec: jax.Array  # [] int32: plain rounds since the last speculative round
+
+  @classmethod
+  def zeros(cls, batch: int, window: int) -> "Acceptance":
+    f = lambda *shape: jnp.zeros(shape, jnp.float32)
+    z = jnp.zeros((), jnp.int32)
+    return cls(f(batch), f(batch), f(batch, window), f(batch, window), z, z)
+
+  def record(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len) -> "Acceptance":
+    """One speculative round; rows not counted (done, or without a proposal) keep their statistics."""
+    accepted = n_accepted_B.astype(jnp.float32)
+    tested = accepted + (n_accepted_B < draft_len)
+    ewma = lambda old, new: jnp.where(counted_B, (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new, old)
+    window = lambda buf, new: buf.at[:, self.slot].set(jnp.where(counted_B, new, buf[:, self.slot]))
+    return Acceptance(ewma(self.ewma_accepted_B, accepted), ewma(self.ewma_tested_B, tested),
+                      window(self.window_accepted_BxW, accepted), window(self.window_tested_BxW, tested),
+                      (self.slot + 1) % self.window_tested_BxW.shape[1], jnp.zeros_like(self.plain_since_spec))
+
+  def after_plain_round(self) -> "Acceptance":
+    return self.replace(plain_since_spec=self.plain_since_spec + 1)
+
+  @property
+  def ewma_rate(self) -> jax.Array:
+    """[B] per-token acceptance rate from the EWMA; NaN where nothing was tested yet."""
+    return self.ewma_accepted_B / jnp.where(self.ewma_tested_B > 0, self.ewma_tested_B, jnp.nan)
+
+  @property
+  def window_rate(self) -> jax.Array:
+    """[B] per-token acceptance rate over the window; NaN where nothing was tested yet."""
+    tested = self.window_tested_BxW.sum(1)
+    return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
+
+
+def expected_speedup(alpha: jax.Array, draft_len: jax.Array, cost_ratio: float) -> jax.Array:
+  """Leviathan et al.'s expected speedup; at alpha = 1 its limit (K + 1) / (K c + 1)."""
+  alpha = jnp.clip(alpha, 0.0, 1.0)
+  tokens = jnp.where(alpha < 1, (1 - alpha ** (draft_len + 1)) / jnp.where(alpha < 1, 1 - alpha, 1.0),
+                     draft_len + 1.0)
+  return tokens / (draft_len * cost_ratio + 1)
+
+
+def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.where(mask_B, x_B, 0.0), -1) / jnp.maximum(jnp.sum(mask_B, -1), 1)
+
+
+def choose(acceptance: Acceptance, active_B: jax.Array, policy: Policy, max_draft_len: int):
+  """Returns (draft_len, probe): draft_len 0 means a plain target step."""
+  alpha_B = acceptance.ewma_rate
+  has_data = active_B & ~jnp.isnan(alpha_B)
+  ks = jnp.arange(1, max_draft_len + 1)
+  gain_BxK = expected_speedup(jnp.nan_to_num(alpha_B)[:, None], ks[None, :], policy.cost_ratio)
+  best = ks[jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))]
+  best = jnp.where(has_data.any(), best, min(policy.initial_draft_len, max_draft_len))
+
+  window_B = acceptance.window_rate
+  windowed = active_B & ~jnp.isnan(window_B)
+  fallback = windowed.any() & (_masked_mean(jnp.nan_to_num(window_B), windowed) < policy.fallback_threshold)
+  probe = fallback & (acceptance.plain_since_spec >= policy.probe_interval)
+  return jnp.where(fallback & ~probe, 0, best).astype(jnp.int32), probe

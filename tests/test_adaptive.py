@@ -1,0 +1,106 @@
+"""Adaptive speculation: the decisions from synthetic statistics, and losslessness and no retrace with it on."""
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec import adaptive, decode, testing
+
+POLICY = adaptive.Policy(cost_ratio=0.1, fallback_threshold=0.4, probe_interval=4, window=4)
+CONFIG = dataclasses.replace(testing.TINY, vocab_size=16, eos_id=None)
+
+
+def stats_with(rounds):
+  """Acceptance statistics after the given rounds: a list of (n_accepted per row, K)."""
+  acc = adaptive.Acceptance.zeros(len(rounds[0][0]), POLICY.window)
+  for n_accepted, k in rounds:
+    acc = acc.record(jnp.ones(len(n_accepted), bool), jnp.asarray(n_accepted), k)
+  return acc
+
+
+def choose(acc, active=None):
+  active = jnp.ones(acc.ewma_tested_B.shape, bool) if active is None else jnp.asarray(active)
+  k, probe = adaptive.choose(acc, active, POLICY, 8)
+  return int(k), bool(probe)
+
+
+def test_per_token_rate_counts_the_first_rejection_as_a_test():
+  acc = stats_with([([2, 4], 4)])  # row 0: 2 accepted, 3 tested; row 1: all 4 accepted, 4 tested
+  np.testing.assert_allclose(acc.window_rate, [2 / 3, 1.0])
+
+
+def test_draft_len_follows_the_expected_speedup():
+  assert choose(adaptive.Acceptance.zeros(1, 4)) == (POLICY.initial_draft_len, False)  # no data yet
+  ks = {a: choose(stats_with([([a], 8)] * 20))[0] for a in (8, 6, 3, 2)}
+  assert ks[8] == 8  # alpha = 1: the largest K
+  assert ks[8] >= ks[6] >= ks[3] >= ks[2] >= 1 and ks[6] > ks[2]
+  # The choice maximizes the formula (brute force over K).
+  alpha = 6 / 7
+  gains = [adaptive.expected_speedup(alpha, k, POLICY.cost_ratio) for k in range(1, 9)]
+  assert ks[6] == 1 + int(np.argmax(gains))
+
+
+def test_fallback_below_the_threshold_and_probes_every_interval():
+  low = stats_with([([0], 4)] * 4)  # window rate 0
+  assert choose(low) == (0, False)
+  for _ in range(POLICY.probe_interval - 1):
+    low = low.after_plain_round()
+  assert choose(low) == (0, False)
+  k, probe = choose(low.after_plain_round())
+  assert probe and k >= 1
+  # A good probe lifts the window back over the threshold: speculation resumes.
+  recovered = low.after_plain_round().record(jnp.ones(1, bool), jnp.asarray([4]), 4)
+  recovered = recovered.record(jnp.ones(1, bool), jnp.asarray([4]), 4)
+  assert choose(recovered)[0] >= 1 and not choose(recovered)[1]
+
+
+def test_batch_rule_uses_the_mean_of_active_rows():
+  acc = stats_with([([0, 4], 4)] * 4)  # row 0 rate 0, row 1 rate 1: mean 0.5 >= 0.4
+  assert choose(acc)[0] >= 1
+  assert choose(acc, active=[True, False])[0] == 0  # only the poor row is still decoding
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target = testing.random_model(CONFIG, seed=0, scale=2.0)
+  return target, testing.perturbed(target, 0.5)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.4, 0.95])
+def test_adaptive_greedy_equals_plain_decoding(pair, threshold):
+  target, draft = pair
+  prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 3], [0, 0]]
+  ar = jspec.generate(target, prompts, max_new_tokens=40)
+  for drafter, d in [("model", draft), ("ngram", None)]:
+    r = jspec.generate(target, prompts, draft=d, drafter=drafter, max_new_tokens=40, draft_len=6,
+                       adaptive=True, fallback_threshold=threshold, probe_interval=3)
+    assert r.token_ids == ar.token_ids, drafter
+    counts = r.stats["draft_len_counts"]
+    assert sum(counts.values()) == r.stats["target_forwards"]
+    if threshold == 0.95 and drafter == "model":
+      assert r.stats["fallback_rounds"] > 0 and r.stats["probe_rounds"] > 0
+      assert counts.get(0, 0) == r.stats["fallback_rounds"]
+
+
+def test_no_retrace_as_k_changes_at_run_time(pair):
+  target, draft = pair
+  kw = dict(draft=draft, draft_len=6, adaptive=True, fallback_threshold=0.5, probe_interval=2)
+  jspec.generate(target, [[1, 2]], max_new_tokens=30, **kw)
+  before = dict(decode.trace_counts)
+  seen = set()
+  for i in range(3):
+    r = jspec.generate(target, [[3 + i] * (2 + i)], max_new_tokens=30, seed=i, temperature=0.5 * i, **kw)
+    assert r.stats["compile_seconds"] == 0.0
+    seen |= set(r.stats["draft_len_counts"])
+  assert len(seen) >= 3  # K really changed inside the compiled loop
+  assert dict(decode.trace_counts) == before
+
+
+def test_disable_at_batch_size_decodes_plainly(pair):
+  target, draft = pair
+  r = jspec.generate(target, [[1]] * 4, draft=draft, max_new_tokens=8, disable_at_batch_size=4)
+  assert r.stats["drafter"] is None and r.stats["draft_forwards"] == 0
+  r = jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, disable_at_batch_size=4)
+  assert r.stats["drafter"] == "model"
