@@ -54,7 +54,7 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              draft_len: int = 4, max_ngram: int = 3, typical_acceptance: bool = False,
              adaptive: bool = False, fallback_threshold: float = 0.4, probe_interval: int = 16,
-             cost_ratio: float = 0.1, disable_at_batch_size: int | None = None,
+             cost_ratio: float = 0.1, disable_at_batch_size: int | None = None, trace_rounds: int = 0,
              seed: int | Sequence[int] = 0) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
@@ -66,7 +66,7 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   loop from acceptance statistics (see `jspec.adaptive`); `fallback_threshold=0` turns fallback off.
   With `disable_at_batch_size=N`, batches of N or more rows decode plainly. Row b samples with `seed + b`
   (or `seed[b]` when a list is given), so a row is reproducible alone (not with `adaptive`, whose K is
-  chosen for the whole batch).
+  chosen for the whole batch). `trace_rounds=R` records the first R adaptive rounds in `stats["trace"]`.
   """
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]
@@ -93,7 +93,7 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
       policy = adaptive_policy.Policy(cost_ratio, fallback_threshold, probe_interval)
       if isinstance(chosen, drafters.ModelDrafter):  # plain steps leave the draft model behind (see there)
         chosen = dataclasses.replace(chosen, max_lag=probe_interval + 1)
-    spec = decode.Speculation(draft_len, typical_acceptance, policy)
+    spec = decode.Speculation(draft_len, typical_acceptance, policy, trace_rounds)
     headroom = max(draft_len, getattr(chosen, "max_lag", 0))
   width = engine.prompt_bucket(max(len(p) for p in prompt_ids))
   capacity = kvcache.round_capacity(decode.required_capacity(width, max_new_tokens, headroom))
@@ -149,6 +149,9 @@ def summarize(stats: decode.DecodeStats, wall_seconds: float, compile_seconds: f
       "draft_len_counts": {k: int(c) for k, c in enumerate(s.draft_len_counts) if c} if speculative else {},
       "fallback_rounds": int(s.fallback_rounds),
       "probe_rounds": int(s.probe_rounds),
+      "trace": [dict(zip(("draft_len", "accepted", "acceptance_window", "acceptance_ewma"),
+                         [None if np.isnan(v) else float(v) for v in row]))
+                for row in s.trace_Rx4 if not np.isnan(row[0])],
       "tokens_per_second": emitted / wall_seconds if wall_seconds > 0 else None,
       "wall_seconds": wall_seconds,
       "compile_seconds": compile_seconds,

@@ -35,6 +35,7 @@ class Speculation:
   draft_len: int  # K, or K_max when adaptive
   typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY, opt-in (see verify.verify_typical)
   adaptive: adaptive.Policy | None = None  # None: every round drafts `draft_len`
+  trace_rounds: int = 0  # record (K, row 0's accepted, window rate, EWMA rate) for this many rounds
 
 
 @flax.struct.dataclass
@@ -52,14 +53,16 @@ class DecodeStats:
   fallback_rounds: jax.Array  # adaptive: plain steps chosen because acceptance fell below the threshold
   probe_rounds: jax.Array  # adaptive: speculative rounds run during fallback to re-measure
   acceptance: adaptive.Acceptance  # per-row EWMA and window of the per-token acceptance rate
+  trace_Rx4: jax.Array  # per round: K, row 0's accepted drafts, its window and EWMA rates (Speculation.trace_rounds)
 
   @classmethod
-  def zeros(cls, batch: int, draft_len: int, window: int = 8) -> "DecodeStats":
+  def zeros(cls, batch: int, draft_len: int, window: int = 8, trace_rounds: int = 0) -> "DecodeStats":
     z = jnp.zeros((), jnp.int32)
     return cls(rounds=z, target_forwards=z, draft_forwards=z, plain_forwards=z, drafted=z, accepted=z,
                accepted_at=jnp.zeros((draft_len,), jnp.int32), emitted=z,
                draft_len_counts=jnp.zeros((draft_len + 1,), jnp.int32), fallback_rounds=z, probe_rounds=z,
-               acceptance=adaptive.Acceptance.zeros(batch, window))
+               acceptance=adaptive.Acceptance.zeros(batch, window),
+               trace_Rx4=jnp.full((trace_rounds, 4), jnp.nan, jnp.float32))
 
 
 @flax.struct.dataclass
@@ -83,7 +86,7 @@ class DecodeState:
 
 def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array,
                sampling: SamplingParams, seeds_B: jax.Array, capacity: int, target_config: ModelConfig,
-               drafter: Drafter | None = None, draft_len: int = 0, window: int = 8) -> DecodeState:
+               drafter: Drafter | None = None, spec: Speculation | None = None) -> DecodeState:
   """A state holding right-padded prompts and empty caches of `capacity` slots (see `required_capacity`)."""
   batch, prompt_width = prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(prompts_BxP)
@@ -93,8 +96,10 @@ def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_
       max_new_tokens=max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
       keys=jax.vmap(jax.random.PRNGKey)(seeds_B.astype(jnp.uint32)), sampling=sampling,
       target_cache=kvcache.init_cache(target_config, batch, capacity),
-      drafter_state=None if drafter is None else drafter.init(batch, capacity, draft_len),
-      stats=DecodeStats.zeros(batch, max(draft_len, 1), window),
+      drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
+      stats=DecodeStats.zeros(batch, spec.draft_len if spec else 1,
+                              spec.adaptive.window if spec and spec.adaptive else 8,
+                              spec.trace_rounds if spec else 0),
       eos_id=jnp.asarray(-1 if eos is None else eos, jnp.int32))
 
 
@@ -236,8 +241,14 @@ def _speculative_step(target_params: model.Params, drafter_params, target_config
   branches = [lambda s: _plain_step(target_params, drafter_params, target_config, drafter, s, keys[spec.draft_len])]
   branches += [lambda s, k=k: _draft_and_verify(target_params, drafter_params, target_config, drafter, spec, k, s,
                                                 keys) for k in range(1, spec.draft_len + 1)]
+  before = state.seq_lens[0]
   state = count(lax.switch(draft_len, branches, state), draft_len)
   st = state.stats
+  if spec.trace_rounds:
+    acc = st.acceptance
+    row = jnp.stack([draft_len, jnp.where(draft_len > 0, state.seq_lens[0] - before - 1, jnp.nan),
+                     acc.window_rate[0], acc.ewma_rate[0]]).astype(jnp.float32)
+    st = st.replace(trace_Rx4=st.trace_Rx4.at[st.target_forwards - 1].set(row, mode="drop"))
   return state.replace(stats=st.replace(fallback_rounds=st.fallback_rounds + (draft_len == 0),
                                         probe_rounds=st.probe_rounds + probe))
 

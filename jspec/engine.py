@@ -29,7 +29,7 @@ def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array
   Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
   """
   state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
-                            target_config, drafter, spec.draft_len if spec else 0)
+                            target_config, drafter, spec)
   hidden, target_cache = model.prefill(target_params, target_config, state.target_cache, prompts_BxP,
                                        prompt_lens_B)
   state = state.replace(target_cache=target_cache)

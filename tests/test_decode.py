@@ -131,7 +131,8 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   def run(prompts, lens, temperature, seeds):
     sp = engine.as_sampling(temperature, 0, 1.0, prompts.shape[0])
     drafter = drafters.ModelDrafter(draft.config)
-    state = decode.init_state(prompts, lens, jnp.full((2,), 6), sp, seeds, 128, target.config, drafter, 3)
+    state = decode.init_state(prompts, lens, jnp.full((2,), 6), sp, seeds, 128, target.config, drafter,
+                              decode.Speculation(3))
     hidden, target_cache = model.prefill(target.params, target.config, state.target_cache, prompts, lens)
     state = state.replace(target_cache=target_cache, drafter_state=drafter.prefill(
         draft.params, target.params, state.drafter_state, prompts, lens, hidden))

@@ -68,7 +68,7 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
 
   def fresh(tokens_BxP, lens_B):
     state = decode.init_state(tokens_BxP, lens_B, jnp.full((batch,), 64), sp, jnp.arange(batch), capacity,
-                              target.config, drafter, draft_len)
+                              target.config, drafter, decode.Speculation(draft_len))
     hidden, tc = model.prefill(target.params, target.config, state.target_cache, tokens_BxP, lens_B)
     return state.replace(target_cache=tc, drafter_state=drafter.prefill(dparams, target.params,
                                                                          state.drafter_state, tokens_BxP,

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from jspec import checkpoint
-from jspec.config import ModelConfig, default_dtype
+from jspec.config import default_dtype
 from jspec.drafters.base import Drafter, Features
 from jspec.drafters.draft_model import ModelDrafter
 from jspec.drafters.eagle import EagleDrafter
