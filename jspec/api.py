@@ -91,7 +91,7 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
       if cost_ratio <= 0:
         raise ValueError(f"cost_ratio must be > 0, got {cost_ratio}")
       policy = adaptive_policy.Policy(cost_ratio, fallback_threshold, probe_interval)
-      if isinstance(chosen, drafters.ModelDrafter):  # plain steps leave the draft model behind (see there)
+      if isinstance(chosen, drafters.ModelDrafter) and fallback_threshold > 0:  # plain steps leave it behind
         chosen = dataclasses.replace(chosen, max_lag=probe_interval + 1)
     spec = decode.Speculation(draft_len, typical_acceptance, policy, trace_rounds)
     headroom = max(draft_len, getattr(chosen, "max_lag", 0))

@@ -4,6 +4,7 @@
   python tools/bench.py --prompt-set edit --drafters ngram   # context-editing prompts
   python tools/bench.py --suite step    # decode-step costs: attention vs none, verify vs step, c
   python tools/bench.py --suite loop    # loop overhead and the verify cost curve on a ~30M model
+  python tools/bench.py --suite adaptive --drafters model   # adaptive K and fallback vs fixed K and AR
   python tools/bench.py --quick         # a smoke run on tiny random models (CI)
 Prints one JSON object and writes it to --out.
 """
@@ -67,6 +68,23 @@ def edit_prompts(count: int, max_lines: int = 12) -> list[str]:
     if len(prompts) == count:
       break
   return prompts
+
+
+PROSE = [
+    "The old lighthouse keeper had not spoken to anyone for three weeks when the boat finally arrived. He",
+    "Most people think of autumn as a season of endings, but for a gardener it is the beginning of",
+    "When the committee met again on Thursday, the mood in the room had changed. Nobody wanted to",
+    "My grandmother kept every letter she ever received, tied in bundles with faded ribbon, and",
+    "The history of the bicycle is a story of small improvements that, taken together, transformed",
+    "It rained all night, and by morning the river had risen almost to the top of the stone wall that",
+    "Learning a second language as an adult is humbling. At first every sentence feels like",
+    "The bakery on the corner opens at six, and by half past there is usually a line of sleepy",
+]
+
+
+def prose_prompts(count: int) -> list[str]:
+  """English prose, which the code models have hardly seen: drafts are accepted rarely."""
+  return PROSE[:count]
 
 
 def heldout_prompts(count: int, max_chars: int = 600) -> list[str]:
@@ -288,17 +306,55 @@ def suite_spec(target, drafts: dict, prompts, draft_lens, max_new: int, repeats:
   return out
 
 
+def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
+  """Adaptive K (K_max 6) against every fixed K on code, and fallback on prose, each against AR, batch 1,
+  greedy, interleaved per prompt."""
+  c = cli.SHIPPED_COST_RATIO[kind]
+  variants = {f"fixed{k}": dict(draft_len=k) for k in (2, 3, 4, 5, 6)}
+  variants["adaptive"] = dict(draft_len=6, adaptive=True, cost_ratio=c)
+  variants["adaptive_no_fallback"] = dict(draft_len=6, adaptive=True, cost_ratio=c, fallback_threshold=0.0)
+  out = {"drafter": kind, "cost_ratio": c, "max_new_tokens": max_new, "sets": {}}
+  for name, prompts in [("code", heldout_prompts(prompts_per_set)), ("prose", prose_prompts(prompts_per_set))]:
+    walls = {k: 0.0 for k in ["ar", *variants]}
+    stats = {k: [] for k in variants}
+    for p in prompts:
+      fns = {"ar": lambda: jspec.generate(target, [p], max_new_tokens=max_new)}
+      for v, kw in variants.items():
+        fns[v] = lambda kw=kw: jspec.generate(target, [p], draft=draft, drafter=kind, max_new_tokens=max_new, **kw)
+      for k, t in interleaved(fns, repeats).items():
+        walls[k] += t
+      for v, kw in variants.items():
+        stats[v].append(jspec.generate(target, [p], draft=draft, drafter=kind, max_new_tokens=max_new, **kw).stats)
+    rows = {}
+    for v in variants:
+      st = stats[v]
+      counts = {}
+      for s in st:
+        for k, n in s["draft_len_counts"].items():
+          counts[k] = counts.get(k, 0) + n
+      rows[v] = {"speedup_over_ar": walls["ar"] / walls[v],
+                 "tau": sum(s["emitted_tokens"] for s in st) / sum(s["rounds"] for s in st),
+                 "fallback_rounds": sum(s["fallback_rounds"] for s in st),
+                 "probe_rounds": sum(s["probe_rounds"] for s in st), "draft_len_counts": counts}
+    best_fixed = max((v for v in variants if v.startswith("fixed")), key=lambda v: rows[v]["speedup_over_ar"])
+    out["sets"][name] = {"rows": rows, "best_fixed": best_fixed,
+                         "adaptive_over_best_fixed": rows["adaptive"]["speedup_over_ar"]
+                         / rows[best_fixed]["speedup_over_ar"]}
+    print(json.dumps({name: out["sets"][name]}), file=sys.stderr)
+  return out
+
+
 def main() -> int:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--suite", choices=["spec", "step", "loop"], default="spec")
+  ap.add_argument("--suite", choices=["spec", "step", "loop", "adaptive"], default="spec")
   ap.add_argument("--quick", action="store_true", help="tiny random models, few repeats (a smoke run)")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--draft-lens", default="2,3,4,5,6")
   ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
-  ap.add_argument("--prompt-set", choices=["code", "edit"], default="code",
-                  help="held-out code completions, or context-editing prompts")
+  ap.add_argument("--prompt-set", choices=["code", "edit", "prose"], default="code",
+                  help="held-out code completions, context-editing prompts, or English prose")
   ap.add_argument("--out", default="bench-out/bench.json")
   args = ap.parse_args()
   if args.quick:
@@ -311,11 +367,16 @@ def main() -> int:
     result = suite_step(args.repeats)
   elif args.suite == "loop":
     result = suite_loop(args.repeats)
+  elif args.suite == "adaptive":
+    kind = args.drafters.split(",")[0]
+    target = jspec.load(cli.DEFAULT_TARGET)
+    draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
+    result = suite_adaptive(target, draft, kind, args.max_new_tokens, args.repeats, args.prompts)
   else:
     target = jspec.load(cli.DEFAULT_TARGET)
     drafts = {kind: jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
               for kind in args.drafters.split(",")}
-    prompts = (edit_prompts if args.prompt_set == "edit" else heldout_prompts)(args.prompts)
+    prompts = {"code": heldout_prompts, "edit": edit_prompts, "prose": prose_prompts}[args.prompt_set](args.prompts)
     result = suite_spec(target, drafts, prompts, [int(k) for k in args.draft_lens.split(",")],
                         args.max_new_tokens, args.repeats)
     result["prompt_set"] = args.prompt_set
