@@ -7,10 +7,11 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jspec import cache as kvcache
 from jspec import adaptive as adaptive_policy
-from jspec import decode, drafters, engine
+from jspec import decode, drafters, engine, sharding
 from jspec.checkpoint import Model
 from jspec.tokenizer import decode as detokenize
 from jspec.tokenizer import encode
@@ -55,7 +56,7 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
              draft_len: int = 4, max_ngram: int = 3, typical_acceptance: bool = False,
              adaptive: bool = False, fallback_threshold: float = 0.4, probe_interval: int = 16,
              cost_ratio: float = 0.1, disable_at_batch_size: int | None = None, trace_rounds: int = 0,
-             seed: int | Sequence[int] = 0) -> Result:
+             mesh: Mesh | None = None, shard_draft: bool = True, seed: int | Sequence[int] = 0) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft model or trained Medusa/EAGLE heads (`jspec.load` returns either); `drafter="ngram"`
@@ -67,6 +68,10 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   With `disable_at_batch_size=N`, batches of N or more rows decode plainly. Row b samples with `seed + b`
   (or `seed[b]` when a list is given), so a row is reproducible alone (not with `adaptive`, whose K is
   chosen for the whole batch). `trace_rounds=R` records the first R adaptive rounds in `stats["trace"]`.
+
+  With a `mesh` (`jspec.sharding.make_mesh("data=D,model=M")`), parameters and caches are sharded by the
+  rules in `jspec.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs
+  as one SPMD program on the mesh, across processes when `jax.distributed` is initialized.
   """
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]
@@ -111,6 +116,8 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
           np.asarray([len(p) for p in prompt_ids], np.int32), np.full((batch,), max_new_tokens, np.int32),
           engine.as_sampling(temperature, top_k, top_p, batch), seeds)
   static = dict(target_config=target.config, drafter=chosen, spec=spec, capacity=capacity)
+  if mesh is not None:
+    args, static["layout"] = _on_mesh(mesh, args, target, chosen, shard_draft)
   executable, compile_seconds = engine.compiled_run(args, static)
   start = time.perf_counter()
   tokens, seq_lens, stats = jax.block_until_ready(executable(*args))
@@ -162,3 +169,21 @@ def _mean_finite(x: np.ndarray) -> float | None:
   """The mean over rows with data (NaN marks a row that never tested a proposal)."""
   x = x[np.isfinite(x)]
   return float(x.mean()) if x.size else None
+
+
+def _on_mesh(mesh: Mesh, args: tuple, target: Model, drafter, shard_draft: bool):
+  """Places the run's arguments on the mesh and chooses the cache layout."""
+  target_params, drafter_params, *rest = args
+  batch = rest[0].shape[0]
+  draft_config = {"model": lambda d: d.config, "medusa": lambda d: d.target_config,
+                  "eagle": lambda d: d.config}.get(getattr(drafter, "kind", None), lambda d: None)(drafter)
+  if not sharding.is_placed(target_params, mesh):
+    target_params = sharding.place(target_params, mesh, sharding.param_specs(target_params, target.config, mesh))
+  draft_cache = sharding.data_spec(batch, mesh)
+  if drafter_params is not None and not sharding.is_placed(drafter_params, mesh):
+    specs = sharding.param_specs(drafter_params, draft_config, mesh) if shard_draft else None
+    drafter_params = sharding.place(drafter_params, mesh, specs)
+  if shard_draft and draft_config is not None:
+    draft_cache = sharding.cache_row_spec(batch, draft_config, mesh)
+  layout = sharding.Layout(mesh, sharding.cache_row_spec(batch, target.config, mesh), draft_cache)
+  return (target_params, drafter_params, *sharding.place(tuple(rest), mesh)), layout

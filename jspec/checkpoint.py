@@ -44,9 +44,17 @@ def save_params(params: model.Params, path: pathlib.Path, storage_dtype: str | N
   (path / "params" / "commit_success.txt").unlink(missing_ok=True)
 
 
-def restore_params(path: pathlib.Path, init_fn) -> model.Params:
-  """Restores `path/params` into the structure, shapes and dtypes that `init_fn()` would produce."""
+def restore_params(path: pathlib.Path, init_fn, config: ModelConfig | None = None, mesh=None) -> model.Params:
+  """Restores `path/params` into the structure, shapes and dtypes that `init_fn()` would produce.
+
+  With a mesh, each array is restored straight into its shards (the rules of `jspec.sharding`, by
+  `config`): no process ever holds the whole model.
+  """
   abstract = jax.eval_shape(init_fn)
+  if mesh is not None:
+    from jspec import sharding
+    shardings = sharding.named(mesh, sharding.param_specs(abstract, config, mesh))
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
   if not (path / "params").is_dir():
     raise ValueError(f"{path}: no params/ directory")
   try:
@@ -54,7 +62,7 @@ def restore_params(path: pathlib.Path, init_fn) -> model.Params:
       params = ckptr.restore(path / "params", abstract)
   except Exception as e:  # orbax raises many types for missing or corrupt files
     raise ValueError(f"{path}: cannot restore parameters ({_one_line(e)})") from None
-  return jax.tree.map(jnp.asarray, params)
+  return params if mesh is not None else jax.tree.map(jnp.asarray, params)
 
 
 def read_json(path: pathlib.Path) -> dict:
@@ -66,11 +74,12 @@ def read_json(path: pathlib.Path) -> dict:
     raise ValueError(f"{path}: invalid JSON ({_one_line(e)})") from None
 
 
-def load(path: str | pathlib.Path, dtype: str | None = None):
+def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None):
   """Loads a jspec checkpoint directory (a model, or drafter heads: `drafters.Heads`) or a Hugging Face
   model directory (llama, qwen2, mistral).
 
-  Parameters and activations use `dtype`, by default fp32 on the CPU and bf16 on accelerators.
+  Parameters and activations use `dtype`, by default fp32 on the CPU and bf16 on accelerators. With a
+  `mesh` (`jspec.sharding.make_mesh`), jspec checkpoints restore directly into sharded arrays.
   Every problem is a one-line ValueError.
   """
   dtype = dtype or default_dtype()
@@ -82,10 +91,10 @@ def load(path: str | pathlib.Path, dtype: str | None = None):
     return hf.load_hf(path, dtype)
   from jspec import drafters  # drafters import this module for the helpers above
   if (path / drafters.HEADS_FILE).is_file():
-    return drafters.load_heads(path, dtype)
+    return drafters.load_heads(path, dtype, mesh)
   config = parse_config(read_json(path / "config.json"), dtype, path / "config.json")
   tokenizer = load_tokenizer(path)
-  params = restore_params(path, lambda: model.init_params(config, jax.random.PRNGKey(0)))
+  params = restore_params(path, lambda: model.init_params(config, jax.random.PRNGKey(0)), config, mesh)
   return Model(config=config, params=params, tokenizer=tokenizer)
 
 

@@ -55,6 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "follows the target's distribution exactly when sampling (greedy output is unchanged)")
   p.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
   p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,model=4 (default: one device)")
+  p.add_argument("--replicate-draft", action="store_true", help="with --mesh: keep the drafter unsharded")
+  p.add_argument("--coordinator", default=None, help="multi-process: HOST:PORT of process 0 (jax.distributed)")
+  p.add_argument("--num-processes", type=int, default=None, help="multi-process: how many")
+  p.add_argument("--process-id", type=int, default=None, help="multi-process: this one's index")
   return p.parse_args(argv)
 
 
@@ -82,25 +87,30 @@ def run(args: argparse.Namespace) -> dict:
   import jspec  # after argument parsing, so --help is instant
 
   prompts = read_prompts(args)
-  target = jspec.load(args.target)
+  mesh = None
+  if args.mesh:
+    from jspec import sharding
+    mesh = sharding.make_mesh(args.mesh)
+  target = jspec.load(args.target, mesh=mesh)
   draft, drafter = None, None
   if not args.no_draft:
     if args.draft is not None:
-      draft, drafter = jspec.load(args.draft), args.drafter
+      draft, drafter = jspec.load(args.draft, mesh=None if args.replicate_draft else mesh), args.drafter
     else:
       drafter = args.drafter or DEFAULT_DRAFTER
       shipped = SHIPPED_DRAFTS.get(drafter)
       if shipped is not None:
         if pathlib.Path(args.target).resolve() != DEFAULT_TARGET:
           raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped one")
-        draft = jspec.load(shipped)
+        draft = jspec.load(shipped, mesh=None if args.replicate_draft else mesh)
   opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
   result = jspec.generate(target, prompts, draft=draft, drafter=drafter, draft_len=args.draft_len,
                           max_ngram=args.max_ngram, typical_acceptance=args.typical_acceptance,
                           adaptive=args.adaptive, fallback_threshold=args.fallback_threshold,
                           probe_interval=args.probe_interval, disable_at_batch_size=args.disable_at_batch_size,
-                          cost_ratio=args.cost_ratio or SHIPPED_COST_RATIO.get(drafter, 0.1), **opts)
+                          cost_ratio=args.cost_ratio or SHIPPED_COST_RATIO.get(drafter, 0.1), mesh=mesh,
+                          shard_draft=not args.replicate_draft, **opts)
   out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
                      for p, t, ids in zip(prompts, result.texts, result.token_ids)],
          "stats": result.stats, "baseline": None, "speedup": None}
@@ -128,13 +138,26 @@ def print_human(out: dict) -> None:
   print(line)
 
 
+def init_distributed(args: argparse.Namespace) -> bool:
+  """Joins a multi-process run (flags, or JAX's standard environment variables); True on process 0."""
+  import os
+
+  import jax
+  if args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  return jax.process_index() == 0
+
+
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   try:
+    leader = init_distributed(args)
     out = run(args)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if not leader:  # every process ran the same program; one reports it
+    return 0
   if args.json:
     print(json.dumps(out))
   else:

@@ -13,23 +13,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jspec import decode, model
+from jspec import decode, model, sharding
 from jspec.config import ModelConfig
 from jspec.drafters import Drafter
 from jspec.sampling import SamplingParams
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "spec", "capacity"))
+@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "spec", "capacity", "layout"))
 def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
         max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array, *,
         target_config: ModelConfig, drafter: Drafter | None, spec: decode.Speculation | None,
-        capacity: int) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
+        capacity: int, layout: sharding.Layout | None = None) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
   """Prefills and decodes a batch; autoregressive when `drafter` is None.
 
   Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
+  With a `layout`, the caches are sharded by its rules and the outputs are replicated on its mesh.
   """
   state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
                             target_config, drafter, spec)
+  if layout is not None:
+    state = layout.constrain_caches(state)
   hidden, target_cache = model.prefill(target_params, target_config, state.target_cache, prompts_BxP,
                                        prompt_lens_B)
   state = state.replace(target_cache=target_cache)
@@ -39,7 +42,8 @@ def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array
     state = state.replace(drafter_state=drafter.prefill(drafter_params, target_params, state.drafter_state,
                                                         prompts_BxP, prompt_lens_B, hidden))
     state = decode.speculative(target_params, drafter_params, target_config, drafter, spec, state)
-  return state.tokens, state.seq_lens, state.stats
+  out = state.tokens, state.seq_lens, state.stats
+  return out if layout is None else layout.replicate(out)
 
 
 _compiled: dict[Any, Any] = {}

@@ -87,3 +87,36 @@ def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
       if op in ("copy", "transpose", "select") or (op == "fusion" and not in_place_update(called.group(1))):
         bad.append(line.strip()[:160])
   return bad
+
+
+def loop_collectives(hlo_text: str) -> dict[str, int]:
+  """Counts of all-reduce and all-gather instructions that a compiled program runs inside its while loops
+  (loop bodies and everything they call, branches of conditionals included): one decode round's traffic."""
+  computations: dict[str, list[str]] = {}
+  name = None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
+    if header:
+      name = header.group(1)
+      computations[name] = []
+    elif name:
+      computations[name].append(line)
+  todo = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
+  seen = set()
+  while todo:
+    comp = todo.pop()
+    if comp in seen:
+      continue
+    seen.add(comp)
+    for line in computations.get(comp, []):
+      refs = re.findall(r"(?:body|calls|true_computation|false_computation)=%([\w.\-]+)", line)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        refs += re.findall(r"%([\w.\-]+)", group)
+      todo.update(refs)
+  counts = {"all-reduce": 0, "all-gather": 0}
+  for comp in seen:
+    for line in computations.get(comp, []):
+      for op in counts:
+        if re.search(rf"= \S+ {op}(-start)?\(", line):
+          counts[op] += 1
+  return counts

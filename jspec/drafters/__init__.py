@@ -50,7 +50,7 @@ def save_heads(heads: Heads, path: str | pathlib.Path, storage_dtype: str | None
   checkpoint.save_params(heads.params, path, storage_dtype)
 
 
-def load_heads(path: str | pathlib.Path, dtype: str | None = None) -> Heads:
+def load_heads(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Heads:
   path = pathlib.Path(path).absolute()
   meta = checkpoint.read_json(path / HEADS_FILE)
   config = checkpoint.parse_config(meta.get("config", {}), dtype or default_dtype(), path / HEADS_FILE)
@@ -60,7 +60,8 @@ def load_heads(path: str | pathlib.Path, dtype: str | None = None) -> Heads:
     drafter = EagleDrafter(config)
   else:
     raise ValueError(f"{path / HEADS_FILE}: unknown drafter kind {meta.get('kind')!r}")
-  return Heads(drafter, checkpoint.restore_params(path, lambda: drafter.init_params(jax.random.PRNGKey(0))))
+  return Heads(drafter, checkpoint.restore_params(path, lambda: drafter.init_params(jax.random.PRNGKey(0)), config,
+                                                  mesh))
 
 
 def resolve(target: checkpoint.Model, draft: Any, drafter: str | None, max_ngram: int = 3,

@@ -1,0 +1,69 @@
+"""Run by tests/test_sharding.py in a subprocess with simulated CPU devices (and, for the two-process test,
+under jax.distributed). Decodes on each mesh and on one device, and writes what it saw as JSON."""
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("--meshes", default="data=8;model=8;data=2,model=4")
+ap.add_argument("--coordinator")
+ap.add_argument("--num-processes", type=int)
+ap.add_argument("--process-id", type=int)
+args = ap.parse_args()
+if args.coordinator:
+  jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+import jspec  # noqa: E402
+from jspec import engine, sharding, testing  # noqa: E402
+
+# 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
+CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)
+DRAFT = dataclasses.replace(CONFIG, n_layers=1, mlp_dim=64)
+target = testing.random_model(CONFIG, seed=0, scale=2.0)
+draft = testing.random_model(DRAFT, seed=1, scale=2.0)
+prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 6, [100, 200, 30, 40, 50], [7], [3, 3], [250, 1], [60, 61, 62]]
+
+
+def runs(mesh):
+  kw = dict(max_new_tokens=12, mesh=mesh)
+  return {"ar": jspec.generate(target, prompts, **kw).token_ids,
+          "spec": jspec.generate(target, prompts, draft=draft, draft_len=3, **kw).token_ids,
+          "spec_replicated_draft": jspec.generate(target, prompts, draft=draft, draft_len=3, shard_draft=False,
+                                                  **kw).token_ids,
+          "sampled": jspec.generate(target, prompts, draft=draft, draft_len=3, temperature=1.0, seed=3,
+                                    **kw).token_ids}
+
+
+def collectives(mesh, mode):
+  """all-reduce / all-gather counts in the compiled loop's while bodies: "ar", "sharded" or "replicated" draft."""
+  from jspec import api, decode, drafters
+  args = (target.params, None if mode == "ar" else draft.params, jax.numpy.zeros((8, 16), "int32"),
+          jax.numpy.full((8,), 3, "int32"), jax.numpy.full((8,), 8, "int32"), engine.as_sampling(0.0, 0, 1.0, 8),
+          jax.numpy.arange(8, dtype="uint32"))
+  drafter = None if mode == "ar" else drafters.ModelDrafter(DRAFT)
+  placed, layout = api._on_mesh(mesh, args, target, drafter, mode == "sharded")
+  text = engine.run.lower(*placed, target_config=CONFIG, drafter=drafter,
+                          spec=None if mode == "ar" else decode.Speculation(3), capacity=128,
+                          layout=layout).compile().as_text()
+  return testing.loop_collectives(text)
+
+
+out = {"single": runs(None), "meshes": {}}
+for spec in args.meshes.split(";"):
+  mesh = sharding.make_mesh(spec)
+  specs = sharding.param_specs(target.params, CONFIG, mesh)
+  out["meshes"][spec] = {
+      **runs(mesh),
+      "param_specs": {k: str(specs["layers"][0][k]) for k in ("wq", "wk", "wo", "w_gate", "w_down")} |
+                     {"embed": str(specs["embed"])},
+      "cache_spec": str(sharding.cache_row_spec(len(prompts), CONFIG, mesh)),
+      "collectives": {mode: collectives(mesh, mode) for mode in ("ar", "sharded", "replicated")}}
+if jax.process_index() == 0:
+  pathlib.Path(args.out).write_text(json.dumps(out))
