@@ -146,3 +146,14 @@ def test_bad_drafter_requests_are_one_line_errors(target):
   wide = testing.random_model(dataclasses.replace(CONFIG, dim=96))
   with pytest.raises(ValueError, match="trained for a target of width 64"):
     jspec.generate(wide, [[1]], draft=make_draft("eagle", target))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_drafters_match_plain_decoding_on_the_shipped_target(kind):
+  from jspec import cli
+  target = jspec.load(cli.DEFAULT_TARGET)
+  draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
+  prompts = ["def parse_args(argv):\n", "class Stack:\n    def push(self, item):\n"]
+  r = jspec.generate(target, prompts, draft=draft, drafter=kind, max_new_tokens=32, draft_len=4)
+  assert r.token_ids == jspec.generate(target, prompts, max_new_tokens=32).token_ids
+  assert r.stats["acceptance_rate"] > 0.2
