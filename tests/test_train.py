@@ -68,3 +68,18 @@ def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
   draft = jspec.load(tmp_path / "draft")
   r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=16, draft_len=3)
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=16).token_ids
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tmp_path, data_dir, kind):
+  (tmp_path / "data").symlink_to(data_dir)
+  assert train.main(["--config", str(_config(tmp_path, "target", 10))]) == 0
+  heads_cfg = _config(tmp_path, kind, 20, drafter=kind, target=str(tmp_path / "target"),
+                      heads={"num_heads": 3} if kind == "medusa" else {"feature_noise": 0.1})
+  assert train.main(["--config", str(heads_cfg)]) == 0
+  log = json.loads((tmp_path / kind / "train_log.json").read_text())
+  assert log["history"][-1]["validation_loss"] < log["history"][0]["validation_loss"]
+  target, heads = jspec.load(tmp_path / "target"), jspec.load(tmp_path / kind)
+  assert heads.drafter.kind == kind
+  r = jspec.generate(target, ["def f("], draft=heads, max_new_tokens=12, draft_len=3)
+  assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
