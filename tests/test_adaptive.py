@@ -68,7 +68,7 @@ def pair():
   return target, testing.perturbed(target, 0.5)
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.4, 0.95])
+@pytest.mark.parametrize("threshold", [0.0, 0.95])
 def test_adaptive_greedy_equals_plain_decoding(pair, threshold):
   target, draft = pair
   prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 3], [0, 0]]

@@ -34,8 +34,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
   return [rng.integers(0, VOCAB, size=int(n)).tolist() for n in rng.integers(1, 12, size=count)]
 
 
-@pytest.mark.parametrize("draft_len", [1, 4])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,draft_len", [("model", 1), ("medusa", 4), ("eagle", 4), ("eagle", 1), ("ngram", 4)])
 def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len):
   ps = prompts(6)
   ar = jspec.generate(target, ps, max_new_tokens=20)
@@ -50,7 +49,7 @@ def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len)
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
-  ps = prompts(4, seed=1)
+  ps = prompts(3, seed=1)
   kw = dict(draft=make_draft(kind, target), drafter=kind, max_new_tokens=16, draft_len=3, temperature=1.0)
   batched = jspec.generate(target, ps, seed=5, **kw)
   for b, p in enumerate(ps):
@@ -96,7 +95,7 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   assert mid_rejections > 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "ngram"])  # the draft model: tests/test_decode.py
 def test_no_retrace_across_requests(target, kind):
   kw = dict(draft=make_draft(kind, target), drafter=kind, draft_len=3)
   jspec.generate(target, [[1, 2, 3]], max_new_tokens=10, **kw)
