@@ -6,6 +6,7 @@ reported apart from decode time.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from typing import Any
@@ -46,18 +47,27 @@ def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array
   return out if layout is None else layout.replicate(out)
 
 
-_compiled: dict[Any, Any] = {}
+# Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.
+MAX_EXECUTABLES = 32
+_compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 
 def compiled_run(args: tuple, static: dict) -> tuple[Any, float]:
   """The executable for these argument shapes, and the seconds spent compiling it now (0 if cached)."""
-  key = (tuple(sorted(static.items())),
+  key = (tuple(sorted(static.items(), key=lambda kv: kv[0])),
          jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
   if key in _compiled:
+    _compiled.move_to_end(key)
     return _compiled[key], 0.0
   start = time.perf_counter()
   _compiled[key] = run.lower(*args, **static).compile()
+  if len(_compiled) > MAX_EXECUTABLES:
+    _compiled.popitem(last=False)
   return _compiled[key], time.perf_counter() - start
+
+
+def clear_cache() -> None:
+  _compiled.clear()
 
 
 def prompt_bucket(length: int) -> int:

@@ -54,7 +54,7 @@ def _empirical_tv(target, prompt, sp, **kw):
 
 
 @pytest.mark.parametrize("sp", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8)], ids=["t1", "t07-topk3", "topp08"])
-@pytest.mark.parametrize("draft_len", [0, 1, 3])
+@pytest.mark.parametrize("draft_len", [0, 3])
 def test_first_two_tokens_match_the_exact_distribution(pair, sp, draft_len):
   target, draft = pair
   # The test can fail: the draft's own distribution is far outside the bound.

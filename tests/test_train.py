@@ -70,10 +70,17 @@ def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=16).token_ids
 
 
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, data_dir):
+  root = tmp_path_factory.mktemp("heads")
+  (root / "data").symlink_to(data_dir)
+  assert train.main(["--config", str(_config(root, "target", 10))]) == 0
+  return root
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tmp_path, data_dir, kind):
-  (tmp_path / "data").symlink_to(data_dir)
-  assert train.main(["--config", str(_config(tmp_path, "target", 10))]) == 0
+def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tiny_target, kind):
+  tmp_path = tiny_target
   heads_cfg = _config(tmp_path, kind, 20, drafter=kind, target=str(tmp_path / "target"),
                       heads={"num_heads": 3} if kind == "medusa" else {"feature_noise": 0.1})
   assert train.main(["--config", str(heads_cfg)]) == 0
