@@ -31,7 +31,7 @@ def main() -> int:
   ap.add_argument("--probe-interval", type=int, default=16)
   ap.add_argument("--temperature", type=float, default=0.8)
   ap.add_argument("--top-p", type=float, default=0.95)
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--seed", type=int, default=2)
   ap.add_argument("--out", default="docs/adaptive.png")
   args = ap.parse_args()
   import matplotlib
