@@ -161,3 +161,11 @@ def place(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
   return jax.tree.map(put, tree, specs, is_leaf=lambda x: x is None)
+
+
+def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh) -> Any:
+  """Random parameters created directly in their shards: eval_shape -> specs -> jit(out_shardings)."""
+  from jspec import model
+  abstract = jax.eval_shape(lambda k: model.init_params(config, k), key)
+  shardings = named(mesh, param_specs(abstract, config, mesh))
+  return jax.jit(lambda k: model.init_params(config, k), out_shardings=shardings)(key)

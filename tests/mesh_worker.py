@@ -21,7 +21,9 @@ if args.coordinator:
   jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 import jspec  # noqa: E402
-from jspec import engine, sharding, testing  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jspec import engine, model, sharding, testing  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)
@@ -64,6 +66,11 @@ for spec in args.meshes.split(";"):
       "param_specs": {k: str(specs["layers"][0][k]) for k in ("wq", "wk", "wo", "w_gate", "w_down")} |
                      {"embed": str(specs["embed"])},
       "cache_spec": str(sharding.cache_row_spec(len(prompts), CONFIG, mesh)),
+      "sharded_init_equals_host_init": all(
+          bool(np.allclose(a, b, rtol=1e-6, atol=1e-7)) and a.sharding.spec == sp  # jit may round by 1 ulp
+          for a, b, sp in zip(jax.tree.leaves(sharding.init_params(CONFIG, jax.random.PRNGKey(0), mesh)),
+                              jax.tree.leaves(model.init_params(CONFIG, jax.random.PRNGKey(0))),
+                              jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))),
       "collectives": {mode: collectives(mesh, mode) for mode in ("ar", "sharded", "replicated")}}
 if jax.process_index() == 0:
   pathlib.Path(args.out).write_text(json.dumps(out))

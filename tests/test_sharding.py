@@ -49,6 +49,7 @@ def test_partition_specs_follow_the_rules(eight_devices):
   assert set(dp["param_specs"].values()) == {"P(None, None)"}
   assert dp["cache_spec"] == "P('data', None, None)"
   assert eight_devices["meshes"]["data=2,model=4"]["cache_spec"] == "P(('data', 'model'), None, None)"
+  assert all(m["sharded_init_equals_host_init"] for m in eight_devices["meshes"].values())
 
 
 def test_collectives_per_round(eight_devices):
