@@ -53,12 +53,8 @@ def assert_target_argmax(target: Model, prompt_ids: list[int], out_ids: list[int
     assert tok == row.argmax() or top2[1] - row[tok] < 1e-5, f"token {i}: {tok} vs argmax {row.argmax()}"
 
 
-def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
-  """Instructions in any while-loop body that copy, transpose or rewrite a whole cache-sized buffer.
-
-  The regression issue 8 fixed: a loop that writes the cache and attends over it paid a full copy of the
-  buffer every step. In-place updates appear as dynamic-update-slice fusions and are allowed.
-  """
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """The instruction lines of each computation in a compiled module's text, by name."""
   computations: dict[str, list[str]] = {}
   name = None
   for line in hlo_text.splitlines():
@@ -68,6 +64,16 @@ def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
       computations[name] = []
     elif name and line.startswith("  "):
       computations[name].append(line)
+  return computations
+
+
+def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
+  """Instructions in any while-loop body that copy, transpose or rewrite a whole cache-sized buffer.
+
+  The regression issue 8 fixed: a loop that writes the cache and attends over it paid a full copy of the
+  buffer every step. In-place updates appear as dynamic-update-slice fusions and are allowed.
+  """
+  computations = _computations(hlo_text)
   bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
 
   def in_place_update(fusion: str) -> bool:
@@ -92,15 +98,7 @@ def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
 def loop_collectives(hlo_text: str) -> dict[str, int]:
   """Counts of all-reduce and all-gather instructions that a compiled program runs inside its while loops
   (loop bodies and everything they call, branches of conditionals included): one decode round's traffic."""
-  computations: dict[str, list[str]] = {}
-  name = None
-  for line in hlo_text.splitlines():
-    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
-    if header:
-      name = header.group(1)
-      computations[name] = []
-    elif name:
-      computations[name].append(line)
+  computations = _computations(hlo_text)
   todo = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
   seen = set()
   while todo:
