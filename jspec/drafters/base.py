@@ -11,13 +11,14 @@ loop's carried state. Each round the loop calls:
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jspec.sampling import SamplingParams
+from jspec.sampling import SamplingParams, next_token
 
 DrafterState = Any  # a pytree; None for stateless drafters
 
@@ -78,3 +79,22 @@ class Features:
     """The feature at position seq_len - 2, [B,D]."""
     idx = jnp.clip(seq_lens_B - 2 - self.start_B, 0, self.feats_BxCxD.shape[1] - 1)
     return jnp.take_along_axis(self.feats_BxCxD, idx[:, None, None], axis=1)[:, 0]
+
+
+def draft_chain(step: Callable[[Any, jax.Array], tuple[Any, jax.Array]], carry: Any, logits_BxV: jax.Array,
+                keys_GxBx2: jax.Array, sampling: SamplingParams) -> tuple[Any, jax.Array, jax.Array]:
+  """Samples G tokens autoregressively: token i from the logits so far, then `step(carry, token)` gives
+  the next logits. The last token needs no step: the next round feeds it if it is accepted.
+
+  Returns (carry, tokens [B,G], the logits each token was drawn from [B,G,V]).
+  """
+  def body(c, key_Bx2):
+    carry, logits_BxV = c
+    token = next_token(key_Bx2, logits_BxV, sampling)
+    carry, next_logits = step(carry, token)
+    return (carry, next_logits), (token, logits_BxV)
+
+  (carry, logits_BxV), (tokens_GxB, logits_GxBxV) = lax.scan(body, (carry, logits_BxV), keys_GxBx2[:-1])
+  token = next_token(keys_GxBx2[-1], logits_BxV, sampling)
+  tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
+  return carry, tokens_BxG, jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)

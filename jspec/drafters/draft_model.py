@@ -17,7 +17,8 @@ from jax import lax
 from jspec import cache as kvcache
 from jspec import model
 from jspec.config import ModelConfig
-from jspec.sampling import SamplingParams, next_token
+from jspec.drafters.base import draft_chain
+from jspec.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +51,11 @@ class ModelDrafter:
                                    lambda: catch_up(self.max_lag + 1))
     cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
-    def body(carry, key_Bx2):
-      cache, logits_BxV = carry
-      token = next_token(key_Bx2, logits_BxV, sampling)
-      logits, _, cache = model.forward(params, token[:, None], cache.lengths[:, None], cache, self.config)
-      return (cache, logits[:, 0]), (token, logits_BxV)
+    def step(cache, token_B):
+      logits, _, cache = model.forward(params, token_B[:, None], cache.lengths[:, None], cache, self.config)
+      return cache, logits[:, 0]
 
-    # The last proposal needs no forward: the next round's two-token step feeds it if it is accepted.
-    (cache, logits_BxV), (tokens_GxB, logits_GxBxV) = lax.scan(body, (cache, logits_BxV), keys_GxBx2[:-1])
-    token = next_token(keys_GxBx2[-1], logits_BxV, sampling)
-    tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
-    logits_BxGxV = jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)
+    cache, tokens_BxG, logits_BxGxV = draft_chain(step, cache, logits_BxV, keys_GxBx2, sampling)
     return cache, tokens_BxG, logits_BxGxV, jnp.ones(n.shape, bool)
 
   def observe(self, params, target_params, cache: kvcache.KVCache, tokens_BxL, hidden_BxSxD, n_B,

@@ -20,14 +20,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jspec import attention
 from jspec import cache as kvcache
 from jspec import model
 from jspec.config import ModelConfig
-from jspec.drafters.base import Features
-from jspec.sampling import SamplingParams, next_token
+from jspec.drafters.base import Features, draft_chain
+from jspec.sampling import SamplingParams
 
 @flax.struct.dataclass
 class EagleState:
@@ -89,19 +88,14 @@ class EagleDrafter:
     feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxL, n)
     logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None])[:, 0]
 
-    def body(carry, key_Bx2):
-      cache, feature_BxD, logits_BxV = carry
-      token = next_token(key_Bx2, logits_BxV, sampling)
-      feature, cache = self.step(params, target_params, cache, feature_BxD[:, None], token[:, None],
+    def step(carry, token_B):
+      cache, feature_BxD = carry
+      feature, cache = self.step(params, target_params, cache, feature_BxD[:, None], token_B[:, None],
                                  cache.lengths[:, None])
-      logits = model.logits_from_hidden(target_params, feature)[:, 0]
-      return (cache, feature[:, 0], logits), (token, logits_BxV)
+      return (cache, feature[:, 0]), model.logits_from_hidden(target_params, feature)[:, 0]
 
-    (cache, _, logits_BxV), (tokens_GxB, logits_GxBxV) = lax.scan(
-        body, (cache, feature_BxD, logits_BxV), keys_GxBx2[:-1])
-    token = next_token(keys_GxBx2[-1], logits_BxV, sampling)
-    tokens_BxG = jnp.concatenate([tokens_GxB.T, token[:, None]], axis=1)
-    logits_BxGxV = jnp.concatenate([jnp.moveaxis(logits_GxBxV, 0, 1), logits_BxV[:, None]], axis=1)
+    (cache, _), tokens_BxG, logits_BxGxV = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_GxBx2,
+                                                       sampling)
     return EagleState(cache, feats), tokens_BxG, logits_BxGxV, jnp.ones(n.shape, bool)
 
   def observe(self, params, target_params, state: EagleState, tokens_BxL, hidden_BxSxD, n_B,
