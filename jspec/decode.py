@@ -20,6 +20,7 @@ from jspec import adaptive
 from jspec import cache as kvcache
 from jspec import model
 from jspec.config import ModelConfig
+from jspec.control import run_if, run_switch
 from jspec.drafters.base import Drafter, DrafterState
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
 from jspec.verify import verify, verify_greedy, verify_typical
@@ -221,12 +222,14 @@ def _draft_and_verify(target_params, drafter_params, target_config, drafter, spe
       state.sampling)
   state = state.replace(drafter_state=drafter_state)
   verify_keys = keys[spec.draft_len]
-  verify_step = lambda: _verify_step(target_params, target_config, drafter, drafter_params, state, draft_BxG,
-                                     draft_logits, has_draft, verify_keys, spec.typical_acceptance)
+  verify_step = lambda s: _verify_step(target_params, target_config, drafter, drafter_params, s, draft_BxG,
+                                       draft_logits, has_draft, verify_keys, spec.typical_acceptance)
   if not getattr(drafter, "can_skip_rounds", False):
-    return verify_step()
-  return lax.cond(jnp.any(has_draft & ~state.done), verify_step,
-                  lambda: _plain_step(target_params, drafter_params, target_config, drafter, state, verify_keys))
+    return verify_step(state)
+  has_any = jnp.any(has_draft & ~state.done)
+  state = run_if(has_any, verify_step, state)
+  return run_if(~has_any, lambda s: _plain_step(target_params, drafter_params, target_config, drafter, s,
+                                                verify_keys), state)
 
 
 def _speculative_step(target_params: model.Params, drafter_params, target_config: ModelConfig,
@@ -242,7 +245,7 @@ def _speculative_step(target_params: model.Params, drafter_params, target_config
   branches += [lambda s, k=k: _draft_and_verify(target_params, drafter_params, target_config, drafter, spec, k, s,
                                                 keys) for k in range(1, spec.draft_len + 1)]
   before = state.seq_lens[0]
-  state = count(lax.switch(draft_len, branches, state), draft_len)
+  state = count(run_switch(draft_len, branches, state), draft_len)
   st = state.stats
   if spec.trace_rounds:
     acc = st.acceptance

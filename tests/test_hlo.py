@@ -5,29 +5,38 @@ import numpy as np
 import pytest
 
 from jspec import cache as kvcache
-from jspec import decode, drafters, engine, testing
+from jspec import adaptive, decode, drafters, engine, testing
 
 CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 
 
-def _hlo(batch, speculative, capacity=512):
+def _hlo(batch, kind, capacity=512):
   target = testing.random_model(CONFIG)
   draft = testing.random_model(DRAFT, seed=1)
-  args = (target.params, draft.params if speculative else None, np.zeros((batch, 16), np.int32),
+  adaptive_spec = decode.Speculation(4, adaptive=adaptive.Policy())
+  drafter, draft_params, spec = {
+      "autoregressive": (None, None, None),
+      "model": (drafters.ModelDrafter(DRAFT), draft.params, decode.Speculation(4)),
+      # Adaptive rounds pick a branch per round (plain step or K), and the draft catches up after plain
+      # steps with a wider forward: branches that write caches, which XLA:CPU must not copy.
+      "model-adaptive": (drafters.ModelDrafter(DRAFT, max_lag=17), draft.params, adaptive_spec),
+      "ngram-adaptive": (drafters.NgramDrafter(CONFIG.vocab_size, 3), None, adaptive_spec),
+  }[kind]
+  args = (target.params, draft_params, np.zeros((batch, 16), np.int32),
           np.full((batch,), 3, np.int32), np.full((batch,), 8, np.int32),
           engine.as_sampling(0.0, 0, 1.0, batch), np.arange(batch, dtype=np.uint32))
-  static = dict(target_config=CONFIG, drafter=drafters.ModelDrafter(DRAFT) if speculative else None,
-                spec=decode.Speculation(4) if speculative else None, capacity=capacity)
+  static = dict(target_config=CONFIG, drafter=drafter, spec=spec, capacity=capacity)
   return engine.run.lower(*args, **static).compile().as_text()
 
 
-@pytest.mark.parametrize("batch", [1, 4, kvcache.MAX_UNROLLED_ROWS + 2])
-@pytest.mark.parametrize("speculative", [False, True])
-def test_no_full_cache_copy_in_loop_body(batch, speculative):
+@pytest.mark.parametrize("batch,kind", [
+    (b, k) for b in (1, 4, kvcache.MAX_UNROLLED_ROWS + 2) for k in ("autoregressive", "model")] + [
+    (4, k) for k in ("model-adaptive", "ngram-adaptive")])
+def test_no_full_cache_copy_in_loop_body(batch, kind):
   capacity = 512
-  text = _hlo(batch, speculative, capacity)
-  for config in [CONFIG] + ([DRAFT] if speculative else []):
+  text = _hlo(batch, kind, capacity)
+  for config in [CONFIG] + ([DRAFT] if kind.startswith("model") else []):
     elements = batch * config.n_kv_heads * capacity * config.head_dim
     assert testing.loop_cache_copies(text, elements) == []
 

@@ -12,10 +12,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jspec import cache as kvcache
 from jspec import model
+from jspec.control import run_if
 from jspec.config import ModelConfig
 from jspec.drafters.base import draft_chain
 from jspec.sampling import SamplingParams
@@ -38,17 +38,19 @@ class ModelDrafter:
     n = seq_lens_B
     d = cache.lengths
 
-    def catch_up(width):
+    def catch_up(width, cache):
       span = d[:, None] + jnp.arange(width)
       logits, _, c = model.forward(params, jnp.take_along_axis(tokens_BxL, span, axis=1), span, cache,
                                    self.config)
       return jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)[:, 0], c
 
     if self.max_lag <= 1:
-      logits_BxV, cache = catch_up(2)
+      logits_BxV, cache = catch_up(2, cache)
     else:  # the wide forward only after plain steps
-      logits_BxV, cache = lax.cond(jnp.all(n - 1 - d <= 1), lambda: catch_up(2),
-                                   lambda: catch_up(self.max_lag + 1))
+      narrow = jnp.all(n - 1 - d <= 1)
+      logits_BxV = jnp.zeros((n.shape[0], self.config.vocab_size), jnp.float32)
+      carry = run_if(narrow, lambda c: catch_up(2, c[1]), (logits_BxV, cache))
+      logits_BxV, cache = run_if(~narrow, lambda c: catch_up(self.max_lag + 1, c[1]), carry)
     cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
     def step(cache, token_B):
