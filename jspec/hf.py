@@ -76,6 +76,19 @@ def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
   return tensors
 
 
+def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+  """The inverse of `read_safetensors`, for float32 tensors."""
+  header, offset, blobs = {}, 0, []
+  for name, x in tensors.items():
+    blob = np.ascontiguousarray(x, np.float32).tobytes()
+    header[name] = {"dtype": "F32", "shape": list(x.shape), "data_offsets": [offset, offset + len(blob)]}
+    offset += len(blob)
+    blobs.append(blob)
+  raw = json.dumps(header).encode()
+  raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+  path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+
+
 def _read_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
   index = path / "model.safetensors.index.json"
   files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
@@ -119,3 +132,33 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32") -> Model:
   if not config.tie_embeddings:
     params["lm_head"] = take("lm_head.weight", True)
   return Model(config=config, params=params, tokenizer=tokenizer)
+
+
+def save_hf(m: Model, path: str | pathlib.Path) -> None:
+  """Writes a jspec model as a Hugging Face Llama directory (`config.json`, `model.safetensors`,
+  `tokenizer.json`) that `transformers.AutoModelForCausalLM.from_pretrained` loads, in float32."""
+  c = m.config
+  if c.qkv_bias:
+    raise ValueError("--to-hf writes Llama, which has no q/k/v bias; this model has one")
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+        "hidden_size": c.dim, "intermediate_size": c.mlp_dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings, "attention_bias": False,
+        "mlp_bias": False, "bos_token_id": c.bos_id, "eos_token_id": c.eos_id, "torch_dtype": "float32"}
+  (path / "config.json").write_text(json.dumps(hf, indent=2))
+  f32 = lambda x: np.asarray(x, np.float32)
+  tensors = {"model.embed_tokens.weight": f32(m.params["embed"]), "model.norm.weight": f32(m.params["final_norm"])}
+  names = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj",
+               wo="self_attn.o_proj", mlp_norm="post_attention_layernorm", w_gate="mlp.gate_proj",
+               w_up="mlp.up_proj", w_down="mlp.down_proj")
+  for i, layer in enumerate(m.params["layers"]):
+    for ours, theirs in names.items():
+      x = f32(layer[ours])
+      tensors[f"model.layers.{i}.{theirs}.weight"] = x if x.ndim == 1 else x.T  # HF stores [out, in]
+  if not c.tie_embeddings:
+    tensors["lm_head.weight"] = f32(m.params["lm_head"]).T
+  write_safetensors(path / "model.safetensors", tensors)
+  m.tokenizer.save(str(path / "tokenizer.json"))

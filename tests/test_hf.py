@@ -2,6 +2,7 @@
 
 Needs the `[interop]` extra (torch, transformers); the rest of the suite runs without it.
 """
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -13,8 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import jax  # noqa: E402
 import jspec  # noqa: E402
-from jspec import model  # noqa: E402
+from jspec import model, testing  # noqa: E402
+from jspec.checkpoint import save  # noqa: E402
 from jspec.tokenizer import byte_tokenizer  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -94,3 +97,33 @@ def test_convert_cli_and_bad_hf_dirs(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "jspec.generate", "--target", str(path), "--prompt", "x"],
                         capture_output=True, text=True, cwd=REPO, timeout=300)
   assert proc.returncode == 2 and "no tokenizer.json" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_to_hf_export_loads_in_transformers_and_assisted_generation_matches(tmp_path):
+  # jspec -> HF Llama (`python -m jspec.convert --to-hf`): transformers computes the same logits, its assisted
+  # generation gives jspec's speculative greedy tokens, and jspec reads the export back unchanged.
+  target = testing.random_model(dataclasses.replace(testing.TINY, tie_embeddings=False), scale=2.0)
+  draft = testing.perturbed(target, 0.3)
+  hf = {}
+  for name, m in [("target", target), ("draft", draft)]:
+    save(m, tmp_path / name)
+    proc = subprocess.run([sys.executable, "-m", "jspec.convert", "--to-hf", str(tmp_path / name),
+                           str(tmp_path / f"{name}-hf")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    hf[name] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf", dtype=torch.float32).eval()
+  back = jspec.load(tmp_path / "target-hf")
+  assert back.config == target.config
+  for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(target.params)):
+    np.testing.assert_array_equal(a, b)
+
+  tokens = np.random.default_rng(0).integers(0, 256, size=(2, 29))
+  with torch.no_grad():
+    want = hf["target"](torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model.forward_full(target.params, tokens, target.config)[0]), want,
+                             atol=1e-4, rtol=1e-4)
+  prompt = [10, 20, 30, 40, 50]
+  with torch.no_grad():
+    assisted = hf["target"].generate(torch.tensor([prompt]), assistant_model=hf["draft"], do_sample=False,
+                                     max_new_tokens=24)[0, len(prompt):].tolist()
+  ours = jspec.generate(target, [prompt], draft=draft, max_new_tokens=24, draft_len=3).token_ids[0]
+  assert ours == assisted == hf_greedy(hf["target"], prompt, len(assisted))
