@@ -1,12 +1,13 @@
 """Benchmarks. Ratios are measured in one process, interleaved (A, B, A, B, ...), and reported as medians.
 
-  python tools/bench.py                 # AR vs every shipped drafter, held-out code prompts
-  python tools/bench.py --prompt-set edit --drafters ngram   # context-editing prompts
+  python tools/bench.py                 # the sweep: drafter x K x temperature x batch vs AR, held-out code
+  python tools/bench.py --prompt-sets edit,prose --temperatures 0 --batches 1   # other prompt sets
+  python tools/bench.py --with-hf       # also Hugging Face assisted generation on the same pair
   python tools/bench.py --suite step    # decode-step costs: attention vs none, verify vs step, c
   python tools/bench.py --suite loop    # loop overhead and the verify cost curve on a ~30M model
   python tools/bench.py --suite adaptive --drafters model   # adaptive K and fallback vs fixed K and AR
-  python tools/bench.py --quick         # a smoke run on tiny random models (CI)
-Prints one JSON object and writes it to --out.
+  python tools/bench.py --quick         # a smoke run of the sweep on tiny random models (CI)
+Writes bench.json (everything), and for the sweep bench.md (tables) and PNG plots, to --out DIR.
 """
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import dataclasses
 import functools
 import json
 import pathlib
+import resource
 import statistics
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -220,20 +223,20 @@ def suite_loop(repeats: int) -> dict:
   return out
 
 
-def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200) -> float:
-  """c for any drafter: one proposal (K = 1) over one target step, batch 1, `used` tokens in context.
+def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, batch: int = 1) -> float:
+  """c for any drafter: one proposal (K = 1) over one target step, `batch` rows of `used` tokens.
 
   Both run 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
   """
   drafter, dparams = drafters.resolve(target, draft, kind, draft_len=1)
-  prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (1, used)), jnp.int32)
-  lens = jnp.full((1,), used, jnp.int32)
-  sp = engine.as_sampling(0.0, 0, 1.0, 1)
-  state = decode.init_state(prompt, lens, lens, sp, jnp.zeros((1,), jnp.uint32), 512, target.config, drafter,
-                            decode.Speculation(1))
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)), jnp.int32)
+  lens = jnp.full((batch,), used, jnp.int32)
+  sp = engine.as_sampling(0.0, 0, 1.0, batch)
+  state = decode.init_state(prompt, lens, lens, sp, jnp.zeros((batch,), jnp.uint32), 512, target.config,
+                            drafter, decode.Speculation(1))
   hidden, tcache = model.prefill(target.params, target.config, state.target_cache, prompt, lens)
   dstate = drafter.prefill(dparams, target.params, state.drafter_state, prompt, lens, hidden)
-  keys = jnp.zeros((1, 1, 2), jnp.uint32)
+  keys = jnp.zeros((1, batch, 2), jnp.uint32)
 
   # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
   @functools.partial(jax.jit, donate_argnums=0)
@@ -249,7 +252,8 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200) 
     def body(i, carry):
       acc, cache = carry
       pos = lens[:, None] - 1 - i % 2
-      logits, _, cache = model.forward(target.params, prompt[:, :1], pos, cache.rewind(pos[:, 0]), target.config)
+      logits, _, cache = model.forward(target.params, prompt[:, :1], pos, cache.rewind(pos[:, 0]),
+                                      target.config)
       return acc + logits[0, 0, 0], cache
     return lax.fori_loop(0, 32, body, (jnp.zeros(()), cache))
 
@@ -264,45 +268,130 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200) 
   return t["draft"] / t["target"]
 
 
-def suite_spec(target, drafts: dict, prompts, draft_lens, max_new: int, repeats: int) -> dict:
-  """For each drafter and K: AR and speculative decoding of each prompt alone (batch 1, greedy),
-  interleaved; speedup, acceptance, tau, per-position acceptance, and outputs that differ from AR."""
+def peak_memory_mb() -> float | None:
+  """Peak memory since the last `reset_peak_memory`: device memory on accelerators, RSS on the CPU."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return stats["peak_bytes_in_use"] / 2 ** 20
+  try:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_memory() -> None:
+  """Linux resets the RSS high-water mark on writing 5 to clear_refs; elsewhere the peak is process-wide."""
+  try:
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+  except OSError:
+    pass
+
+
+def leviathan_speedup(alpha: float, k: int, c: float, verify_cost: float) -> float:
+  """Expected tokens per round, (1 - a^(K+1)) / (1 - a), over a round's cost in target steps, K c + v."""
+  tokens = k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+  return tokens / (k * c + verify_cost)
+
+
+class Progress:
+  """A one-line progress bar on stderr: cells done, the current cell, and the time left at this pace."""
+
+  def __init__(self, total: int):
+    self.total, self.done, self.start = total, 0, time.perf_counter()
+
+  def step(self, label: str) -> None:
+    elapsed = time.perf_counter() - self.start
+    eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+    bar = "#" * (20 * self.done // self.total)
+    print(f"\r[{bar:<20}] {self.done}/{self.total} {label:<34} {elapsed / 60:5.1f} min, ~{eta / 60:.1f} left",
+          end="", file=sys.stderr, flush=True)
+    self.done += 1
+
+  def close(self) -> None:
+    print(file=sys.stderr)
+
+
+def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, k: int, max_new: int,
+         repeats: int) -> dict:
+  """One sweep cell: AR and speculative decoding of each batch of prompts, interleaved; medians summed."""
+  spec_kw = dict(draft=draft, drafter=kind, draft_len=k)
+  kw = dict(max_new_tokens=max_new, temperature=temperature)
+  walls, last, compile_s = {"ar": 0.0, "spec": 0.0}, {}, 0.0
+  reset_peak_memory()
+  for g, group in enumerate(groups):
+    def run(name, extra):
+      last[name, g] = jspec.generate(target, group, **kw, **extra)
+    run("spec", spec_kw)  # the first call compiles (once per prompt bucket)
+    compile_s += last["spec", g].stats["compile_seconds"]
+    for name, t in interleaved({"ar": lambda: run("ar", {}), "spec": lambda: run("spec", spec_kw)},
+                               repeats).items():
+      walls[name] += t
+  stats = [last["spec", g].stats for g in range(len(groups))]
+  ar_stats = [last["ar", g].stats for g in range(len(groups))]
+  total = lambda key, st=stats: sum(s[key] for s in st)
+  tokens, rounds, drafted = total("emitted_tokens"), total("rounds"), total("drafted_tokens")
+  accepted = total("accepted_tokens")
+  at_k = sum(s["per_position_acceptance"][k - 1] * s["rounds"] for s in stats) if k else 0
+  # alpha, the chance one proposal is accepted: accepted / tested, where the first rejection is tested too.
+  tested = accepted + (drafted / k - at_k if k else 0)
+  mismatches = sum(last["spec", g].token_ids != last["ar", g].token_ids for g in range(len(groups)))
+  return {
+      "ar_tokens_per_second": total("emitted_tokens", ar_stats) / walls["ar"],
+      "spec_tokens_per_second": tokens / walls["spec"], "speedup": walls["ar"] / walls["spec"],
+      "acceptance_rate": accepted / drafted if drafted else None, "alpha": accepted / tested if tested else None,
+      "tau": tokens / rounds, "plain_forwards": total("plain_forwards"),
+      "per_position_acceptance": [sum(s["per_position_acceptance"][i] * s["rounds"] for s in stats) / rounds
+                                  for i in range(k)],
+      # the time of one speculative round, in AR steps (a batched target forward each)
+      "round_cost_in_ar_steps": (walls["spec"] / total("target_forwards"))
+                                / (walls["ar"] / total("target_forwards", ar_stats)),
+      "compile_seconds": compile_s, "peak_memory_mb": peak_memory_mb(),
+      "greedy_outputs_differing_from_ar": mismatches if temperature == 0 else None}
+
+
+def verify_cost(target, batch: int, k: int, repeats: int, used: int = 200) -> float:
+  """A forward of K+1 tokens per row over one of 1 token, batch rows, `used` tokens in the cache."""
+  one, _ = step_loop(target.params, target.config, batch, 512, used, 1, True)
+  wide, _ = step_loop(target.params, target.config, batch, 512, used, k + 1, True)
+  t = interleaved({"one": one, "wide": wide}, repeats)
+  return t["wide"] / t["one"]
+
+
+def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int], temperatures: list[float],
+                batches: list[int], max_new: int, repeats: int) -> dict:
+  """drafter x K x temperature x batch, each cell against AR in the same process, with the bound check."""
   target_params = num_params(target.config)
   out = {"prompts": len(prompts), "max_new_tokens": max_new, "target_params": target_params, "drafters": {},
-         "rows": []}
+         "verify_cost": {}, "cells": []}
+  plan = [(kind, b, t, k) for kind in drafts for b in batches for t in temperatures for k in draft_lens
+          if not (kind == "medusa" and k > drafts[kind].drafter.num_heads)]
+  progress = Progress(len(plan) + len(drafts) * len(batches) + len(batches) * len(draft_lens))
   for kind, draft in drafts.items():
     size = 0 if draft is None else (num_params(draft.config) if kind == "model" else draft.num_params)
-    out["drafters"][kind] = {"params": size, "params_percent_of_target": 100 * size / target_params}
-    out["drafters"][kind]["c"] = drafter_cost_ratio(target, draft, kind, repeats)
-  for kind, draft in drafts.items():
+    out["drafters"][kind] = {"params": size, "params_percent_of_target": 100 * size / target_params, "c": {}}
+    for b in batches:
+      progress.step(f"c: {kind} b={b}")
+      out["drafters"][kind]["c"][b] = drafter_cost_ratio(target, draft, kind, repeats, batch=b)
+  for b in batches:
+    out["verify_cost"][b] = {}
     for k in draft_lens:
-      if kind == "medusa" and k > draft.drafter.num_heads:
-        continue
-      kw = dict(draft=draft, drafter=kind, max_new_tokens=max_new, draft_len=k)
-      walls = {"ar": [], "spec": []}
-      stats, mismatches = [], 0
-      for p in prompts:  # batch 1, as the goals are stated
-        t = interleaved({"ar": lambda: jspec.generate(target, [p], max_new_tokens=max_new),
-                         "spec": lambda: jspec.generate(target, [p], **kw)}, repeats)
-        s = jspec.generate(target, [p], **kw)
-        a = jspec.generate(target, [p], max_new_tokens=max_new)
-        mismatches += s.token_ids != a.token_ids  # greedy must match plain decoding (up to fp32 near-ties)
-        walls["ar"].append(t["ar"])
-        walls["spec"].append(t["spec"])
-        stats.append(s.stats)
-      tokens = sum(s["emitted_tokens"] for s in stats)
-      rounds = sum(s["rounds"] for s in stats)
-      drafted = sum(s["drafted_tokens"] for s in stats)
-      row = {"drafter": kind, "draft_len": k, "ar_tokens_per_second": tokens / sum(walls["ar"]),
-             "spec_tokens_per_second": tokens / sum(walls["spec"]),
-             "speedup": sum(walls["ar"]) / sum(walls["spec"]),
-             "acceptance_rate": sum(s["accepted_tokens"] for s in stats) / drafted if drafted else None,
-             "tau": tokens / rounds, "plain_forwards": sum(s["plain_forwards"] for s in stats),
-             "outputs_differing_from_ar": mismatches,
-             "per_position_acceptance": [sum(s["per_position_acceptance"][i] * s["rounds"] for s in stats)
-                                         / rounds for i in range(k)]}
-      out["rows"].append(row)
-      print(json.dumps(row), file=sys.stderr)
+      progress.step(f"verify cost: b={b} K={k}")
+      out["verify_cost"][b][k] = verify_cost(target, b, k, repeats)
+  for kind, b, t, k in plan:
+    progress.step(f"{kind} b={b} T={t} K={k}")
+    rows = [prompts[(i + j) % len(prompts)] for i in range(0, max(len(prompts), b), b) for j in range(b)]
+    row = {"drafter": kind, "batch": b, "temperature": t, "draft_len": k,
+           **cell(target, drafts[kind], kind, [rows[i:i + b] for i in range(0, len(rows), b)], t, k, max_new,
+                  repeats)}
+    c, v = out["drafters"][kind]["c"][b], out["verify_cost"][b][k]
+    row["predicted_speedup"] = None if row["alpha"] is None else leviathan_speedup(row["alpha"], k, c, v)
+    row["engine_efficiency"] = None if row["alpha"] is None else row["speedup"] / row["predicted_speedup"]
+    row["round_cost_predicted"] = k * c + v
+    out["cells"].append(row)
+  progress.close()
   return out
 
 
@@ -311,9 +400,11 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   greedy, interleaved per prompt."""
   c = cli.SHIPPED_COST_RATIO[kind]
   variants = {f"fixed{k}": dict(draft_len=k) for k in (2, 3, 4, 5, 6)}
-  variants["adaptive"] = dict(draft_len=6, adaptive=True, cost_ratio=c)
-  variants["adaptive_no_fallback"] = dict(draft_len=6, adaptive=True, cost_ratio=c, fallback_threshold=0.0)
-  out = {"drafter": kind, "cost_ratio": c, "max_new_tokens": max_new, "sets": {}}
+  v = cli.SHIPPED_VERIFY_COST
+  variants["adaptive"] = dict(draft_len=6, adaptive=True, cost_ratio=c, verify_cost=v)
+  variants["adaptive_no_fallback"] = dict(draft_len=6, adaptive=True, cost_ratio=c, verify_cost=v,
+                                          fallback_threshold=0.0)
+  out = {"drafter": kind, "cost_ratio": c, "verify_cost": v, "max_new_tokens": max_new, "sets": {}}
   for name, prompts in [("code", heldout_prompts(prompts_per_set)), ("prose", prose_prompts(prompts_per_set))]:
     walls = {k: 0.0 for k in ["ar", *variants]}
     stats = {k: [] for k in variants}
@@ -344,25 +435,38 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   return out
 
 
+PROMPT_SETS = {"code": heldout_prompts, "edit": edit_prompts, "prose": prose_prompts}
+
+
+def floats(text: str) -> list[float]:
+  return [float(x) for x in text.split(",")]
+
+
 def main() -> int:
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--suite", choices=["spec", "step", "loop", "adaptive"], default="spec")
-  ap.add_argument("--quick", action="store_true", help="tiny random models, few repeats (a smoke run)")
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--prompts", type=int, default=8)
-  ap.add_argument("--max-new-tokens", type=int, default=128)
-  ap.add_argument("--draft-lens", default="2,3,4,5,6")
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive"], default="sweep")
+  ap.add_argument("--quick", action="store_true", help="a smoke run of the sweep on tiny random models (CI)")
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+  ap.add_argument("--max-new-tokens", type=int, default=64)
+  ap.add_argument("--draft-lens", default="1,2,3,4,5,6,7,8")
+  ap.add_argument("--temperatures", default="0,0.7,1.0")
+  ap.add_argument("--batches", default="1,4,8")
   ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
-  ap.add_argument("--prompt-set", choices=["code", "edit", "prose"], default="code",
-                  help="held-out code completions, context-editing prompts, or English prose")
-  ap.add_argument("--out", default="bench-out/bench.json")
+  ap.add_argument("--prompt-sets", default="code",
+                  help="comma-separated: code (held-out completions), edit (context editing), prose (English)")
+  ap.add_argument("--with-hf", action="store_true",
+                  help="also run Hugging Face transformers' assisted generation on the shipped pair (needs [interop])")
+  ap.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and the plots")
   args = ap.parse_args()
+  out_dir = pathlib.Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  ints = lambda text: [int(x) for x in text.split(",")]
   if args.quick:
     target = testing.random_model(testing.TINY, scale=2.0)
-    drafts = {"model": testing.perturbed(target, 0.3),
-              "eagle": testing.random_heads(drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1))),
-              "ngram": None}
-    result = suite_spec(target, drafts, ["def f(x):", "import os\n"], [2, 4], 16, 2)
+    drafts = {"model": testing.perturbed(target, 0.3), "ngram": None}
+    result = {"sets": {"quick": suite_sweep(target, drafts, ["def f(x):", "import os\n"], [2], [0.0, 1.0],
+                                            [1, 2], 16, 1)}}
   elif args.suite == "step":
     result = suite_step(args.repeats)
   elif args.suite == "loop":
@@ -376,18 +480,40 @@ def main() -> int:
     target = jspec.load(cli.DEFAULT_TARGET)
     drafts = {kind: jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
               for kind in args.drafters.split(",")}
-    prompts = {"code": heldout_prompts, "edit": edit_prompts, "prose": prose_prompts}[args.prompt_set](args.prompts)
-    result = suite_spec(target, drafts, prompts, [int(k) for k in args.draft_lens.split(",")],
-                        args.max_new_tokens, args.repeats)
-    result["prompt_set"] = args.prompt_set
-  result = {"suite": "quick" if args.quick else args.suite, "jax": jax.__version__,
-            "device": str(jax.devices()[0].device_kind), **result}
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=2))
-  print(json.dumps(result, indent=2))
+    result = {"sets": {}}
+    for name in args.prompt_sets.split(","):
+      print(f"prompt set {name}", file=sys.stderr)
+      result["sets"][name] = suite_sweep(target, drafts, PROMPT_SETS[name](args.prompts), ints(args.draft_lens),
+                                         floats(args.temperatures), ints(args.batches), args.max_new_tokens,
+                                         args.repeats)
+    if args.with_hf:
+      import bench_hf
+      result["hf"] = bench_hf.compare(cli.DEFAULT_TARGET, cli.SHIPPED_DRAFTS["model"],
+                                      PROMPT_SETS["code"](args.prompts), args.max_new_tokens, args.repeats,
+                                      out_dir / "hf")
+  result = {"suite": "quick" if args.quick else args.suite, "command": " ".join(sys.argv), "jax": jax.__version__,
+            "device": str(jax.devices()[0].device_kind), "machine": machine(), **result}
+  (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+  if result["suite"] in ("sweep", "quick"):
+    import bench_report
+    (out_dir / "bench.md").write_text(bench_report.markdown(result))
+    bench_report.plots(result, out_dir)
+  print(json.dumps({k: v for k, v in result.items() if k not in ("sets",)}, indent=2))
+  print(f"wrote {out_dir}/bench.json" + (", bench.md and plots" if result["suite"] in ("sweep", "quick") else ""), file=sys.stderr)
   return 0
 
+
+def machine() -> dict:
+  """What the numbers were measured on."""
+  import os
+  import platform
+  cpu = platform.processor() or platform.machine()
+  try:
+    cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return {"platform": platform.platform(), "processor": cpu, "cpus": os.cpu_count(),
+          "python": platform.python_version(), "backend": jax.default_backend(), "devices": len(jax.devices())}
 
 if __name__ == "__main__":
   raise SystemExit(main())
