@@ -6,8 +6,10 @@ rejection is a test too; nothing after it is), so the rate estimates alpha, the 
 is accepted, whatever K was. The batch shares one target forward, so the policy is per batch:
 
 - K: the one that maximizes the mean over active rows of Leviathan's expected speedup
-  (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)), alpha from each row's EWMA, c the drafter's cost ratio;
-  `initial_draft_len` until any row has data.
+  (1 - alpha^(K+1)) / ((1 - alpha)(K (c + v) + 1)), alpha from each row's EWMA, c the drafter's cost ratio
+  and v what each extra verified token adds to the target forward (Leviathan's formula is v = 0; on a CPU
+  a 5-token verify costs ~1.5 steps, and ignoring that picks too long drafts); `initial_draft_len` until
+  any row has data.
 - Fallback: when the mean windowed rate of the active rows with data is below `fallback_threshold`, the
   round is a plain target step (branch 0). Every `probe_interval` plain rounds, one speculative round
   (a probe) re-measures, so speculation resumes when the text turns predictable again.
@@ -26,6 +28,7 @@ EWMA_WEIGHT = 0.1  # weight of the newest round, as in the seed's scheduler
 @dataclasses.dataclass(frozen=True)
 class Policy:
   cost_ratio: float = 0.1  # c: a draft step's time over a target step's (measured: tools/bench.py)
+  verify_cost: float = 0.0  # v: a target step's extra time per extra verified token, in target steps
   fallback_threshold: float = 0.4  # 0 disables fallback
   probe_interval: int = 16  # plain rounds between probes
   window: int = 8  # W: rounds in the rolling window
@@ -72,12 +75,13 @@ class Acceptance:
     return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
 
 
-def expected_speedup(alpha: jax.Array, draft_len: jax.Array, cost_ratio: float) -> jax.Array:
-  """Leviathan et al.'s expected speedup; at alpha = 1 its limit (K + 1) / (K c + 1)."""
+def expected_speedup(alpha: jax.Array, draft_len: jax.Array, cost_ratio: float, verify_cost: float = 0.0) -> jax.Array:
+  """Leviathan et al.'s expected speedup, with a round costing K c + 1 + K v target steps; at alpha = 1 its
+  limit (K + 1) / (K (c + v) + 1)."""
   alpha = jnp.clip(alpha, 0.0, 1.0)
   tokens = jnp.where(alpha < 1, (1 - alpha ** (draft_len + 1)) / jnp.where(alpha < 1, 1 - alpha, 1.0),
                      draft_len + 1.0)
-  return tokens / (draft_len * cost_ratio + 1)
+  return tokens / (draft_len * (cost_ratio + verify_cost) + 1)
 
 
 def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
@@ -89,7 +93,8 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: Policy, max_draf
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)
   ks = jnp.arange(1, max_draft_len + 1)
-  gain_BxK = expected_speedup(jnp.nan_to_num(alpha_B)[:, None], ks[None, :], policy.cost_ratio)
+  gain_BxK = expected_speedup(jnp.nan_to_num(alpha_B)[:, None], ks[None, :], policy.cost_ratio,
+                              policy.verify_cost)
   best = ks[jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))]
   best = jnp.where(has_data.any(), best, min(policy.initial_draft_len, max_draft_len))
 

@@ -14,6 +14,7 @@ SHIPPED_DRAFTS = {"model": CHECKPOINTS / "code-draft", "medusa": CHECKPOINTS / "
 # c for each shipped drafter on the shipped target: one proposal's time over one target step, batch 1
 # (tools/bench.py, "c" per drafter, measured on 2 CPU cores).
 SHIPPED_COST_RATIO = {"model": 0.086, "medusa": 0.064, "eagle": 0.229, "ngram": 0.005}
+SHIPPED_VERIFY_COST = 0.13  # the shipped target: (verify of K+1 tokens / 1-token step - 1) / K, K = 1..8
 # The best measured speedup on held-out code at the default K = 4 (README, "Drafters").
 DEFAULT_DRAFTER = "eagle"
 KINDS = ("model", "medusa", "eagle", "ngram")
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--cost-ratio", type=float, default=None,
                  help="adaptive: the drafter's step cost over the target's, c (default: measured for the "
                       "shipped drafters, else 0.1)")
+  p.add_argument("--verify-cost", type=float, default=None,
+                 help="adaptive: the target step's extra cost per extra verified token, v (default: measured "
+                      "for the shipped target, else 0)")
   p.add_argument("--disable-at-batch-size", type=int, default=None,
                  help="decode plainly when the batch has at least this many prompts")
   p.add_argument("--typical-acceptance", action="store_true",
@@ -105,13 +109,16 @@ def run(args: argparse.Namespace) -> dict:
         if pathlib.Path(args.target).resolve() != DEFAULT_TARGET:
           raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped one")
         draft = jspec.load(shipped, mesh=None if args.replicate_draft else mesh)
+  shipped_verify_cost = SHIPPED_VERIFY_COST if pathlib.Path(args.target).resolve() == DEFAULT_TARGET else 0.0
   opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
   result = jspec.generate(target, prompts, draft=draft, drafter=drafter, draft_len=args.draft_len,
                           max_ngram=args.max_ngram, typical_acceptance=args.typical_acceptance,
                           adaptive=args.adaptive, fallback_threshold=args.fallback_threshold,
                           probe_interval=args.probe_interval, disable_at_batch_size=args.disable_at_batch_size,
-                          cost_ratio=args.cost_ratio or SHIPPED_COST_RATIO.get(drafter, 0.1), mesh=mesh,
+                          cost_ratio=args.cost_ratio or SHIPPED_COST_RATIO.get(drafter, 0.1),
+                          verify_cost=args.verify_cost if args.verify_cost is not None else shipped_verify_cost,
+                          mesh=mesh,
                           shard_draft=not args.replicate_draft, **opts)
   out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
                      for p, t, ids in zip(prompts, result.texts, result.token_ids)],

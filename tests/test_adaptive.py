@@ -8,7 +8,7 @@ import pytest
 import jspec
 from jspec import adaptive, decode, testing
 
-POLICY = adaptive.Policy(cost_ratio=0.1, fallback_threshold=0.4, probe_interval=4, window=4)
+POLICY = adaptive.Policy(cost_ratio=0.1, verify_cost=0.05, fallback_threshold=0.4, probe_interval=4, window=4)
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=16, eos_id=None)
 
 
@@ -20,9 +20,9 @@ def stats_with(rounds):
   return acc
 
 
-def choose(acc, active=None):
+def choose(acc, active=None, policy=POLICY):
   active = jnp.ones(acc.ewma_tested_B.shape, bool) if active is None else jnp.asarray(active)
-  k, probe = adaptive.choose(acc, active, POLICY, 8)
+  k, probe = adaptive.choose(acc, active, policy, 8)
   return int(k), bool(probe)
 
 
@@ -38,8 +38,11 @@ def test_draft_len_follows_the_expected_speedup():
   assert ks[8] >= ks[6] >= ks[3] >= ks[2] >= 1 and ks[6] > ks[2]
   # The choice maximizes the formula (brute force over K).
   alpha = 6 / 7
-  gains = [adaptive.expected_speedup(alpha, k, POLICY.cost_ratio) for k in range(1, 9)]
+  gains = [adaptive.expected_speedup(alpha, k, POLICY.cost_ratio, POLICY.verify_cost) for k in range(1, 9)]
   assert ks[6] == 1 + int(np.argmax(gains))
+  # A dearer verify (each extra token costs more of the target forward) shortens the draft.
+  costly = dataclasses.replace(POLICY, verify_cost=0.3)
+  assert choose(stats_with([([6], 8)] * 20), policy=costly)[0] < ks[6]
 
 
 def test_fallback_below_the_threshold_and_probes_every_interval():

@@ -42,7 +42,8 @@ def main() -> int:
   draft = jspec.load(cli.SHIPPED_DRAFTS[args.drafter]) if args.drafter in cli.SHIPPED_DRAFTS else None
   r = jspec.generate(target, [args.prompt], draft=draft, drafter=args.drafter, draft_len=args.draft_len,
                      max_new_tokens=args.max_new_tokens, adaptive=True, probe_interval=args.probe_interval,
-                     cost_ratio=cli.SHIPPED_COST_RATIO[args.drafter], trace_rounds=args.max_new_tokens,
+                     cost_ratio=cli.SHIPPED_COST_RATIO[args.drafter],
+                     verify_cost=cli.SHIPPED_VERIFY_COST, trace_rounds=args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
   trace = r.stats["trace"]
   tokens, x = 0, []
