@@ -3,13 +3,16 @@
 Per row we carry the per-token acceptance rate two ways: an EWMA (weight 0.1) and a rolling window of the
 last W speculative rounds. A round that accepts a of K proposals tested a + [a < K] of them (the first
 rejection is a test too; nothing after it is), so the rate estimates alpha, the chance that one proposal
-is accepted, whatever K was. The batch shares one target forward, so the policy is per batch:
+is accepted, whatever K was. We also carry, per draft position i, an EWMA of r_i, the chance that
+proposal i is accepted given that it was tested: acceptance is correlated (easy stretches accept long
+runs), so r_i grows with i, and Leviathan's i.i.d. alpha^i underestimates what long drafts gain.
+The batch shares one target forward, so the policy is per batch:
 
-- K: the one that maximizes the mean over active rows of Leviathan's expected speedup
-  (1 - alpha^(K+1)) / ((1 - alpha)(K (c + v) + 1)), alpha from each row's EWMA, c the drafter's cost ratio
-  and v what each extra verified token adds to the target forward (Leviathan's formula is v = 0; on a CPU
-  a 5-token verify costs ~1.5 steps, and ignoring that picks too long drafts); `initial_draft_len` until
-  any row has data.
+- K: the one that maximizes the mean over active rows of the expected speedup
+  E[tokens | K] / (K (c + v) + 1), with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (alpha where position
+  i has no data yet; with r_i = alpha this is Leviathan's (1 - alpha^(K+1)) / (1 - alpha)), c the
+  drafter's cost ratio and v what each extra verified token adds to the target forward (Leviathan's v = 0;
+  on a CPU a 5-token verify costs ~1.5 steps); `initial_draft_len` until any row has data.
 - Fallback: when the mean windowed rate of the active rows with data is below `fallback_threshold`, the
   round is a plain target step (branch 0). Every `probe_interval` plain rounds, one speculative round
   (a probe) re-measures, so speculation resumes when the text turns predictable again.
@@ -41,14 +44,17 @@ class Acceptance:
   ewma_tested_B: jax.Array
   window_accepted_BxW: jax.Array
   window_tested_BxW: jax.Array
+  ewma_hit_BxG: jax.Array  # per draft position: EWMA of "accepted" over the rounds that tested it
+  ewma_tested_BxG: jax.Array  # the same EWMA of 1 (its bias correction; 0 = no data)
   slot: jax.Array  # [] int32: the window slot the next speculative round writes
   plain_since_spec: jax.Array  # [] int32: plain rounds since the last speculative round
 
   @classmethod
-  def zeros(cls, batch: int, window: int) -> "Acceptance":
+  def zeros(cls, batch: int, window: int, max_draft_len: int) -> "Acceptance":
     f = lambda *shape: jnp.zeros(shape, jnp.float32)
     z = jnp.zeros((), jnp.int32)
-    return cls(f(batch), f(batch), f(batch, window), f(batch, window), z, z)
+    return cls(f(batch), f(batch), f(batch, window), f(batch, window), f(batch, max_draft_len),
+               f(batch, max_draft_len), z, z)
 
   def record(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len) -> "Acceptance":
     """One speculative round; rows not counted (done, or without a proposal) keep their statistics."""
@@ -56,8 +62,13 @@ class Acceptance:
     tested = accepted + (n_accepted_B < draft_len)
     ewma = lambda old, new: jnp.where(counted_B, (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new, old)
     window = lambda buf, new: buf.at[:, self.slot].set(jnp.where(counted_B, new, buf[:, self.slot]))
+    position_G = jnp.arange(self.ewma_hit_BxG.shape[1])
+    tested_BxG = counted_B[:, None] & (position_G <= n_accepted_B[:, None]) & (position_G < draft_len)
+    per_position = lambda old, new: jnp.where(tested_BxG, (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new, old)
     return Acceptance(ewma(self.ewma_accepted_B, accepted), ewma(self.ewma_tested_B, tested),
                       window(self.window_accepted_BxW, accepted), window(self.window_tested_BxW, tested),
+                      per_position(self.ewma_hit_BxG, position_G < n_accepted_B[:, None]),
+                      per_position(self.ewma_tested_BxG, 1.0),
                       (self.slot + 1) % self.window_tested_BxW.shape[1], jnp.zeros_like(self.plain_since_spec))
 
   def after_plain_round(self) -> "Acceptance":
@@ -69,19 +80,23 @@ class Acceptance:
     return self.ewma_accepted_B / jnp.where(self.ewma_tested_B > 0, self.ewma_tested_B, jnp.nan)
 
   @property
+  def position_rates(self) -> jax.Array:
+    """[B, G] r_i: the chance proposal i is accepted once tested; NaN where position i has no data."""
+    return self.ewma_hit_BxG / jnp.where(self.ewma_tested_BxG > 0, self.ewma_tested_BxG, jnp.nan)
+
+  @property
   def window_rate(self) -> jax.Array:
     """[B] per-token acceptance rate over the window; NaN where nothing was tested yet."""
     tested = self.window_tested_BxW.sum(1)
     return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
 
 
-def expected_speedup(alpha: jax.Array, draft_len: jax.Array, cost_ratio: float, verify_cost: float = 0.0) -> jax.Array:
-  """Leviathan et al.'s expected speedup, with a round costing K c + 1 + K v target steps; at alpha = 1 its
-  limit (K + 1) / (K (c + v) + 1)."""
-  alpha = jnp.clip(alpha, 0.0, 1.0)
-  tokens = jnp.where(alpha < 1, (1 - alpha ** (draft_len + 1)) / jnp.where(alpha < 1, 1 - alpha, 1.0),
-                     draft_len + 1.0)
-  return tokens / (draft_len * (cost_ratio + verify_cost) + 1)
+def expected_speedup(rates_BxG: jax.Array, cost_ratio: float, verify_cost: float = 0.0) -> jax.Array:
+  """[B, G]: the expected speedup of K = 1..G from per-position acceptance rates r_1..r_G, a round costing
+  K c + 1 + K v target steps. With every r_i = alpha it is Leviathan et al.'s."""
+  tokens_BxG = 1 + jnp.cumsum(jnp.cumprod(jnp.clip(rates_BxG, 0.0, 1.0), axis=-1), axis=-1)
+  ks = jnp.arange(1, rates_BxG.shape[-1] + 1)
+  return tokens_BxG / (ks * (cost_ratio + verify_cost) + 1)
 
 
 def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
@@ -92,10 +107,10 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: Policy, max_draf
   """Returns (draft_len, probe): draft_len 0 means a plain target step."""
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)
-  ks = jnp.arange(1, max_draft_len + 1)
-  gain_BxK = expected_speedup(jnp.nan_to_num(alpha_B)[:, None], ks[None, :], policy.cost_ratio,
-                              policy.verify_cost)
-  best = ks[jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))]
+  rates_BxG = acceptance.position_rates
+  rates_BxG = jnp.where(jnp.isnan(rates_BxG), jnp.nan_to_num(alpha_B)[:, None], rates_BxG)
+  gain_BxK = expected_speedup(rates_BxG, policy.cost_ratio, policy.verify_cost)
+  best = 1 + jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))
   best = jnp.where(has_data.any(), best, min(policy.initial_draft_len, max_draft_len))
 
   window_B = acceptance.window_rate

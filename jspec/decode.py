@@ -62,7 +62,7 @@ class DecodeStats:
     return cls(rounds=z, target_forwards=z, draft_forwards=z, plain_forwards=z, drafted=z, accepted=z,
                accepted_at=jnp.zeros((draft_len,), jnp.int32), emitted=z,
                draft_len_counts=jnp.zeros((draft_len + 1,), jnp.int32), fallback_rounds=z, probe_rounds=z,
-               acceptance=adaptive.Acceptance.zeros(batch, window),
+               acceptance=adaptive.Acceptance.zeros(batch, window, draft_len),
                trace_Rx4=jnp.full((trace_rounds, 4), jnp.nan, jnp.float32))
 
 

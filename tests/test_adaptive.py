@@ -14,7 +14,7 @@ CONFIG = dataclasses.replace(testing.TINY, vocab_size=16, eos_id=None)
 
 def stats_with(rounds):
   """Acceptance statistics after the given rounds: a list of (n_accepted per row, K)."""
-  acc = adaptive.Acceptance.zeros(len(rounds[0][0]), POLICY.window)
+  acc = adaptive.Acceptance.zeros(len(rounds[0][0]), POLICY.window, 8)
   for n_accepted, k in rounds:
     acc = acc.record(jnp.ones(len(n_accepted), bool), jnp.asarray(n_accepted), k)
   return acc
@@ -32,17 +32,25 @@ def test_per_token_rate_counts_the_first_rejection_as_a_test():
 
 
 def test_draft_len_follows_the_expected_speedup():
-  assert choose(adaptive.Acceptance.zeros(1, 4)) == (POLICY.initial_draft_len, False)  # no data yet
+  assert choose(adaptive.Acceptance.zeros(1, 4, 8)) == (POLICY.initial_draft_len, False)  # no data yet
   ks = {a: choose(stats_with([([a], 8)] * 20))[0] for a in (8, 6, 3, 2)}
-  assert ks[8] == 8  # alpha = 1: the largest K
-  assert ks[8] >= ks[6] >= ks[3] >= ks[2] >= 1 and ks[6] > ks[2]
-  # The choice maximizes the formula (brute force over K).
-  alpha = 6 / 7
-  gains = [adaptive.expected_speedup(alpha, k, POLICY.cost_ratio, POLICY.verify_cost) for k in range(1, 9)]
-  assert ks[6] == 1 + int(np.argmax(gains))
-  # A dearer verify (each extra token costs more of the target forward) shortens the draft.
-  costly = dataclasses.replace(POLICY, verify_cost=0.3)
-  assert choose(stats_with([([6], 8)] * 20), policy=costly)[0] < ks[6]
+  assert ks == {8: 8, 6: 6, 3: 3, 2: 2}  # every round accepted a: position a+1 always fails
+  # Rounds that accept 6 or 2 in turn: r = 1, 1, ~1/2, 1, 1, 1, 0 (an EWMA; position 8 never tested).
+  mixed = stats_with([([6], 8), ([2], 8)] * 30)
+  rates = np.array(mixed.position_rates[0])
+  np.testing.assert_allclose(rates[:7], [1, 1, 0.5, 1, 1, 1, 0], atol=0.05)
+  assert np.isnan(rates[7])
+  rates[7] = mixed.ewma_rate[0]
+  tokens = 1 + np.cumsum(np.cumprod(rates))
+  for policy in (POLICY, dataclasses.replace(POLICY, verify_cost=0.3)):  # the choice maximizes the formula
+    gains = tokens / (1 + np.arange(1, 9) * (policy.cost_ratio + policy.verify_cost))
+    assert choose(mixed, policy=policy)[0] == 1 + int(np.argmax(gains))
+  # A dearer verify (each extra token costs more of the target forward) shortens the draft: 6 -> 2 here.
+  assert choose(mixed)[0] == 6 and choose(mixed, policy=dataclasses.replace(POLICY, verify_cost=0.3))[0] == 2
+  # Leviathan's formula is the special case r_i = alpha.
+  alpha, c = 0.7, 0.1
+  np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), c)[0],
+                             [(1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) for k in range(1, 6)], rtol=1e-5)
 
 
 def test_fallback_below_the_threshold_and_probes_every_interval():
