@@ -9,10 +9,13 @@ runs), so r_i grows with i, and Leviathan's i.i.d. alpha^i underestimates what l
 The batch shares one target forward, so the policy is per batch:
 
 - K: the one that maximizes the mean over active rows of the expected speedup
-  E[tokens | K] / (K (c + v) + 1), with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (alpha where position
-  i has no data yet; with r_i = alpha this is Leviathan's (1 - alpha^(K+1)) / (1 - alpha)), c the
-  drafter's cost ratio and v what each extra verified token adds to the target forward (Leviathan's v = 0;
-  on a CPU a 5-token verify costs ~1.5 steps); `initial_draft_len` until any row has data.
+  E[tokens | K] / (1 + o + K (c + v)), with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (alpha where
+  position i has no data yet). c is the drafter's cost ratio, v what each extra verified token adds to the
+  target forward, and o what a speculative round costs beyond its forwards (verification, bookkeeping,
+  the draft's catch-up), all in target steps. With r_i = alpha and o = v = 0 this is Leviathan's
+  (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on this CPU o and v are far from 0 (a 5-token verify costs
+  ~1.5 steps), and ignoring them picks drafts of the wrong length. `initial_draft_len` until any row has
+  data.
 - Fallback: when the mean windowed rate of the active rows with data is below `fallback_threshold`, the
   round is a plain target step (branch 0). Every `probe_interval` plain rounds, one speculative round
   (a probe) re-measures, so speculation resumes when the text turns predictable again.
@@ -32,6 +35,7 @@ EWMA_WEIGHT = 0.1  # weight of the newest round, as in the seed's scheduler
 class Policy:
   cost_ratio: float = 0.1  # c: a draft step's time over a target step's (measured: tools/bench.py)
   verify_cost: float = 0.0  # v: a target step's extra time per extra verified token, in target steps
+  round_overhead: float = 0.0  # o: a speculative round's time beyond its forwards, in target steps
   fallback_threshold: float = 0.4  # 0 disables fallback
   probe_interval: int = 16  # plain rounds between probes
   window: int = 8  # W: rounds in the rolling window
@@ -91,12 +95,13 @@ class Acceptance:
     return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
 
 
-def expected_speedup(rates_BxG: jax.Array, cost_ratio: float, verify_cost: float = 0.0) -> jax.Array:
+def expected_speedup(rates_BxG: jax.Array, cost_ratio: float, verify_cost: float = 0.0,
+                     round_overhead: float = 0.0) -> jax.Array:
   """[B, G]: the expected speedup of K = 1..G from per-position acceptance rates r_1..r_G, a round costing
-  K c + 1 + K v target steps. With every r_i = alpha it is Leviathan et al.'s."""
+  1 + o + K (c + v) target steps. With every r_i = alpha and o = v = 0 it is Leviathan et al.'s."""
   tokens_BxG = 1 + jnp.cumsum(jnp.cumprod(jnp.clip(rates_BxG, 0.0, 1.0), axis=-1), axis=-1)
   ks = jnp.arange(1, rates_BxG.shape[-1] + 1)
-  return tokens_BxG / (ks * (cost_ratio + verify_cost) + 1)
+  return tokens_BxG / (1 + round_overhead + ks * (cost_ratio + verify_cost))
 
 
 def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
@@ -109,7 +114,7 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: Policy, max_draf
   has_data = active_B & ~jnp.isnan(alpha_B)
   rates_BxG = acceptance.position_rates
   rates_BxG = jnp.where(jnp.isnan(rates_BxG), jnp.nan_to_num(alpha_B)[:, None], rates_BxG)
-  gain_BxK = expected_speedup(rates_BxG, policy.cost_ratio, policy.verify_cost)
+  gain_BxK = expected_speedup(rates_BxG, policy.cost_ratio, policy.verify_cost, policy.round_overhead)
   best = 1 + jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))
   best = jnp.where(has_data.any(), best, min(policy.initial_draft_len, max_draft_len))
 

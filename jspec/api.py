@@ -55,7 +55,8 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              draft_len: int = 4, max_ngram: int = 3, typical_acceptance: bool = False,
              adaptive: bool = False, fallback_threshold: float = 0.4, probe_interval: int = 16,
-             cost_ratio: float = 0.1, verify_cost: float = 0.0, disable_at_batch_size: int | None = None, trace_rounds: int = 0,
+             cost_ratio: float = 0.1, verify_cost: float = 0.0, round_overhead: float = 0.0,
+             disable_at_batch_size: int | None = None, trace_rounds: int = 0,
              mesh: Mesh | None = None, shard_draft: bool = True, seed: int | Sequence[int] = 0) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
@@ -95,9 +96,9 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
         raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
       if cost_ratio <= 0:
         raise ValueError(f"cost_ratio must be > 0, got {cost_ratio}")
-      if verify_cost < 0:
-        raise ValueError(f"verify_cost must be >= 0, got {verify_cost}")
-      policy = adaptive_policy.Policy(cost_ratio, verify_cost, fallback_threshold, probe_interval)
+      if verify_cost < 0 or round_overhead < 0:
+        raise ValueError(f"verify_cost and round_overhead must be >= 0, got {verify_cost}, {round_overhead}")
+      policy = adaptive_policy.Policy(cost_ratio, verify_cost, round_overhead, fallback_threshold, probe_interval)
       if isinstance(chosen, drafters.ModelDrafter) and fallback_threshold > 0:  # plain steps leave it behind
         chosen = dataclasses.replace(chosen, max_lag=probe_interval + 1)
     spec = decode.Speculation(draft_len, typical_acceptance, policy, trace_rounds)
@@ -181,11 +182,11 @@ def _on_mesh(mesh: Mesh, args: tuple, target: Model, drafter, shard_draft: bool)
                   "eagle": lambda d: d.config}.get(getattr(drafter, "kind", None), lambda d: None)(drafter)
   if not sharding.is_placed(target_params, mesh):
     target_params = sharding.place(target_params, mesh, sharding.param_specs(target_params, target.config, mesh))
-  draft_cache = sharding.data_spec(batch, mesh)
+  draft_cache = sharding.cache_layout(batch, None, mesh)
   if drafter_params is not None and not sharding.is_placed(drafter_params, mesh):
     specs = sharding.param_specs(drafter_params, draft_config, mesh) if shard_draft else None
     drafter_params = sharding.place(drafter_params, mesh, specs)
   if shard_draft and draft_config is not None:
-    draft_cache = sharding.cache_row_spec(batch, draft_config, mesh)
-  layout = sharding.Layout(mesh, sharding.cache_row_spec(batch, target.config, mesh), draft_cache)
+    draft_cache = sharding.cache_layout(batch, draft_config, mesh)
+  layout = sharding.Layout(mesh, sharding.cache_layout(batch, target.config, mesh), draft_cache)
   return (target_params, drafter_params, *sharding.place(tuple(rest), mesh)), layout

@@ -1,7 +1,7 @@
 """Attention over the KV cache, reading only the blocks in use.
 
 Shape legend: B batch, S new tokens, T cache capacity, H query heads, K kv heads, G = H // K query heads per
-kv head, Dh head dim, X = B*K (the cache's leading axis).
+kv head, Dh head dim, X = B*K (the cache's leading axis: batch-major, or heads-major on a mesh).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jspec.cache import BLOCK_SIZE
 
 
 def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array,
-                     lengths_B: jax.Array) -> jax.Array:
+                     lengths_B: jax.Array, heads_major: bool = False) -> jax.Array:
   """Causal attention of S new queries over a cache that already holds them.
 
   Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i`. The loop runs over
@@ -27,10 +27,14 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   block = min(BLOCK_SIZE, capacity)
   scale = head_dim ** -0.5
 
-  q_XxGSxDh = (q_BxSxHxDh.reshape(batch, seq, kv_heads, group, head_dim)
-               .transpose(0, 2, 3, 1, 4).reshape(rows, group * seq, head_dim) * scale).astype(k_XxTxDh.dtype)
+  # Queries in the cache's row order: [B, K, G, S] (or [K, B, G, S]) flattened to [X, G*S].
+  to_rows = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)
+  q_BxKxGxSxDh = q_BxSxHxDh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+  q_XxGSxDh = (q_BxKxGxSxDh.transpose(*to_rows, 4).reshape(rows, group * seq, head_dim) * scale
+               ).astype(k_XxTxDh.dtype)
   qpos_BxS = lengths_B[:, None] + jnp.arange(seq)[None, :]
-  qpos_XxGS = jnp.broadcast_to(qpos_BxS[:, None, None, :], (batch, kv_heads, group, seq)).reshape(rows, -1)
+  qpos_XxGS = jnp.broadcast_to(qpos_BxS[:, None, None, :], (batch, kv_heads, group, seq)
+                               ).transpose(*to_rows).reshape(rows, -1)
   num_blocks = (jnp.max(lengths_B) + seq + block - 1) // block
 
   def attend_block(i, carry):
@@ -49,7 +53,8 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   init = (jnp.full((rows, group * seq), -jnp.inf, jnp.float32), jnp.zeros((rows, group * seq), jnp.float32),
           jnp.zeros((rows, group * seq, head_dim), jnp.float32))
   _, sum_XxGS, acc = lax.fori_loop(0, num_blocks, attend_block, init)
-  out = (acc / sum_XxGS[..., None]).reshape(batch, kv_heads, group, seq, head_dim)
+  out = (acc / sum_XxGS[..., None]).reshape(*((kv_heads, batch) if heads_major else (batch, kv_heads)),
+                                            group, seq, head_dim).transpose(*to_rows, 4)  # [B, K, G, S, Dh]
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim).astype(q_BxSxHxDh.dtype)
 
 

@@ -1,7 +1,8 @@
 """The KV cache: an explicit pytree with one length per row.
 
-Layout (per layer): `k, v: [B*K, T, Dh]`, batch-major then kv-head. One flat leading axis is what the
-attention matmul consumes directly. A `[B, T, K, Dh]` or `[B, K, T, Dh]` buffer needs a reshape before the
+Layout (per layer): `k, v: [B*K, T, Dh]`, batch-major (row b*K + k), or heads-major (row k*B + b) when a
+mesh splits kv heads over devices, so that each device's rows are the heads its attention weights produce
+(see jspec/sharding.py). One flat leading axis is what the attention matmul consumes directly. A `[B, T, K, Dh]` or `[B, K, T, Dh]` buffer needs a reshape before the
 matmul, and XLA on the CPU fuses that reshape with the in-loop update and then copies the whole buffer
 every step (see tests/test_hlo.py). Each layer has its own buffer, so no slice of a stacked `[N, ...]`
 buffer stands between the update and the matmul either.
@@ -28,6 +29,11 @@ class KVCache:
   k: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
   v: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
   lengths: jax.Array  # [B] int32: slots in use in each row
+  heads_major: bool = flax.struct.field(pytree_node=False, default=False)  # row k*B + b instead of b*K + k
+
+  def row(self, b, k, batch: int, kv_heads: int):
+    """The buffer row of batch row b's kv head k."""
+    return k * batch + b if self.heads_major else b * kv_heads + k
 
   def rewind(self, lengths_B: jax.Array) -> "KVCache":
     """Rolls each row back (or forward over slots already written) to `lengths_B`. Nothing is copied."""
@@ -40,12 +46,12 @@ def round_capacity(tokens: int) -> int:
   return BLOCK_SIZE * (1 << max(blocks - 1, 0).bit_length())
 
 
-def init_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
+def init_cache(config: ModelConfig, batch: int, capacity: int, heads_major: bool = False) -> KVCache:
   if capacity % BLOCK_SIZE:
     raise ValueError(f"cache capacity {capacity} is not a multiple of {BLOCK_SIZE}")
   shape = (batch * config.n_kv_heads, capacity, config.head_dim)
   zeros = lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers))
-  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32), heads_major=heads_major)
 
 
 # Up to this many rows, each row gets its own in-place dynamic_update_slice (a vmapped one becomes a select
@@ -53,18 +59,25 @@ def init_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
 MAX_UNROLLED_ROWS = 16
 
 
-def write(buf: jax.Array, new_BxSxKxDh: jax.Array, lengths_B: jax.Array) -> jax.Array:
-  """Writes row b's S new entries at slots `[lengths[b], lengths[b] + S)` of one layer's buffer.
+def write(cache: KVCache, buf: jax.Array, new_BxSxKxDh: jax.Array) -> jax.Array:
+  """Writes row b's S new entries at slots `[lengths[b], lengths[b] + S)` of one of `cache`'s buffers.
 
   Callers guarantee `lengths + S <= T` (checked before tracing): a dynamic_update_slice would clamp and
   overwrite the last slots, and the scatter drops what falls outside.
   """
   batch, seq, kv_heads, _ = new_BxSxKxDh.shape
+  lengths_B = cache.lengths
   new_BxKxSxDh = new_BxSxKxDh.transpose(0, 2, 1, 3).astype(buf.dtype)
-  if batch <= MAX_UNROLLED_ROWS:
+  if batch <= MAX_UNROLLED_ROWS and not cache.heads_major:  # a row's K heads are adjacent: one update
     for b in range(batch):
       buf = lax.dynamic_update_slice(buf, new_BxKxSxDh[b], (b * kv_heads, lengths_B[b], 0))
     return buf
-  rows_BxKx1 = (jnp.arange(batch)[:, None] * kv_heads + jnp.arange(kv_heads))[:, :, None]
+  if batch * kv_heads <= MAX_UNROLLED_ROWS:
+    for b in range(batch):
+      for k in range(kv_heads):
+        buf = lax.dynamic_update_slice(buf, new_BxKxSxDh[b, k:k + 1], (cache.row(b, k, batch, kv_heads),
+                                                                        lengths_B[b], 0))
+    return buf
+  rows_BxKx1 = cache.row(jnp.arange(batch)[:, None], jnp.arange(kv_heads), batch, kv_heads)[:, :, None]
   slots_Bx1xS = (lengths_B[:, None] + jnp.arange(seq))[:, None, :]
   return buf.at[rows_BxKx1, slots_Bx1xS].set(new_BxKxSxDh, mode="drop")

@@ -13,8 +13,11 @@ SHIPPED_DRAFTS = {"model": CHECKPOINTS / "code-draft", "medusa": CHECKPOINTS / "
                   "eagle": CHECKPOINTS / "code-target-eagle"}
 # c for each shipped drafter on the shipped target: one proposal's time over one target step, batch 1
 # (tools/bench.py, "c" per drafter, measured on 2 CPU cores).
+# Adaptive speculation's cost model for the shipped pair, in target steps, measured by tools/bench.py: c per
+# drafter, o (a speculative round's time beyond its forwards) per drafter, v for the target.
 SHIPPED_COST_RATIO = {"model": 0.086, "medusa": 0.064, "eagle": 0.229, "ngram": 0.005}
-SHIPPED_VERIFY_COST = 0.13  # the shipped target: (verify of K+1 tokens / 1-token step - 1) / K, K = 1..8
+SHIPPED_ROUND_OVERHEAD = {"model": 0.85, "medusa": 0.5, "eagle": 0.5, "ngram": 0.5}
+SHIPPED_VERIFY_COST = 0.08
 # The best measured speedup on held-out code at the default K = 4 (README, "Drafters").
 DEFAULT_DRAFTER = "eagle"
 KINDS = ("model", "medusa", "eagle", "ngram")
@@ -54,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--verify-cost", type=float, default=None,
                  help="adaptive: the target step's extra cost per extra verified token, v (default: measured "
                       "for the shipped target, else 0)")
+  p.add_argument("--round-overhead", type=float, default=None,
+                 help="adaptive: a speculative round's time beyond its forwards, in target steps, o (default: "
+                      "measured for the shipped pair, else 0)")
   p.add_argument("--disable-at-batch-size", type=int, default=None,
                  help="decode plainly when the batch has at least this many prompts")
   p.add_argument("--typical-acceptance", action="store_true",
@@ -109,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
         if pathlib.Path(args.target).resolve() != DEFAULT_TARGET:
           raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped one")
         draft = jspec.load(shipped, mesh=None if args.replicate_draft else mesh)
-  shipped_verify_cost = SHIPPED_VERIFY_COST if pathlib.Path(args.target).resolve() == DEFAULT_TARGET else 0.0
+  shipped_pair = pathlib.Path(args.target).resolve() == DEFAULT_TARGET and args.draft is None
+  measured = lambda given, value: given if given is not None else (value if shipped_pair else 0.0)
   opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
   result = jspec.generate(target, prompts, draft=draft, drafter=drafter, draft_len=args.draft_len,
@@ -117,7 +124,8 @@ def run(args: argparse.Namespace) -> dict:
                           adaptive=args.adaptive, fallback_threshold=args.fallback_threshold,
                           probe_interval=args.probe_interval, disable_at_batch_size=args.disable_at_batch_size,
                           cost_ratio=args.cost_ratio or SHIPPED_COST_RATIO.get(drafter, 0.1),
-                          verify_cost=args.verify_cost if args.verify_cost is not None else shipped_verify_cost,
+                          verify_cost=measured(args.verify_cost, SHIPPED_VERIFY_COST),
+                          round_overhead=measured(args.round_overhead, SHIPPED_ROUND_OVERHEAD.get(drafter, 0.0)),
                           mesh=mesh,
                           shard_draft=not args.replicate_draft, **opts)
   out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}

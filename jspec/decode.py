@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -79,6 +80,7 @@ class DecodeState:
   drafter_state: DrafterState
   stats: DecodeStats
   eos_id: jax.Array  # [] int32; -1 when the model has none
+  layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.sharding.Layout on a mesh
 
   @property
   def num_emitted(self) -> jax.Array:
@@ -161,9 +163,15 @@ def _target_step(params: model.Params, config: ModelConfig, state: DecodeState, 
   state = state.replace(target_cache=cache.rewind(state.seq_lens - 1),
                         stats=_count_round(state.stats, active, num_new))
   if drafter is not None:
-    state = state.replace(drafter_state=drafter.observe(drafter_params, params, state.drafter_state, state.tokens,
-                                                        hidden, n, state.seq_lens))
+    state = _observe(drafter, drafter_params, params, state, hidden, n)
   return state
+
+
+def _observe(drafter: Drafter, drafter_params, target_params, state: DecodeState, hidden, n_B) -> DecodeState:
+  """Tells the drafter what the target saw in a forward that started at lengths n_B."""
+  with jax.named_scope("drafter"):  # names the drafter's ops in the HLO (tests count its collectives)
+    return state.replace(drafter_state=drafter.observe(drafter_params, target_params, state.drafter_state,
+                                                       state.tokens, hidden, n_B, state.seq_lens))
 
 
 def _verify_step(target_params: model.Params, target_config: ModelConfig, drafter: Drafter, drafter_params,
@@ -203,9 +211,8 @@ def _verify_step(target_params: model.Params, target_config: ModelConfig, drafte
       accepted_at=st.accepted_at.at[:draft_len].add(
           jnp.sum(counted[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0)),
       acceptance=st.acceptance.record(counted, n_accepted, draft_len))
-  return state.replace(target_cache=target_cache.rewind(new_n - 1), stats=stats,
-                       drafter_state=drafter.observe(drafter_params, target_params, state.drafter_state,
-                                                     state.tokens, hidden, n, new_n))
+  state = state.replace(target_cache=target_cache.rewind(new_n - 1), stats=stats)
+  return _observe(drafter, drafter_params, target_params, state, hidden, n)
 
 
 def _plain_step(target_params, drafter_params, target_config, drafter, state, keys_Bx2) -> DecodeState:
@@ -217,9 +224,12 @@ def _plain_step(target_params, drafter_params, target_config, drafter, state, ke
 
 def _draft_and_verify(target_params, drafter_params, target_config, drafter, spec: Speculation, draft_len: int,
                       state: DecodeState, keys) -> DecodeState:
-  drafter_state, draft_BxG, draft_logits, has_draft = drafter.propose(
-      drafter_params, target_params, state.drafter_state, state.tokens, state.seq_lens, keys[:draft_len],
-      state.sampling)
+  with jax.named_scope("drafter"):
+    drafter_state, draft_BxG, draft_logits, has_draft = drafter.propose(
+        drafter_params, target_params, state.drafter_state, state.tokens, state.seq_lens, keys[:draft_len],
+        state.sampling)
+  if state.layout is not None:
+    draft_logits = state.layout.pin_draft_logits(draft_logits)
   state = state.replace(drafter_state=drafter_state)
   verify_keys = keys[spec.draft_len]
   verify_step = lambda s: _verify_step(target_params, target_config, drafter, drafter_params, s, draft_BxG,

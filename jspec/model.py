@@ -113,12 +113,12 @@ def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array,
   ks, vs = list(cache.k), list(cache.v)
 
   def attend(i, q, k, v):
-    ks[i] = kvcache.write(ks[i], k, cache.lengths)
-    vs[i] = kvcache.write(vs[i], v, cache.lengths)
-    return attention.cached_attention(q, ks[i], vs[i], cache.lengths)
+    ks[i] = kvcache.write(cache, ks[i], k)
+    vs[i] = kvcache.write(cache, vs[i], v)
+    return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major)
 
   x_BxSxD = decoder(params, x_BxSxD, positions_BxS, config, attend)
-  return x_BxSxD, kvcache.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])
+  return x_BxSxD, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])
 
 
 def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:

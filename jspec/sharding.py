@@ -5,12 +5,12 @@ each logical name to a mesh axis. A dimension is sharded only when the mesh axis
 (whole heads for attention weights, whole rows for the vocab, ...), and is replicated otherwise, so any mesh
 runs any model correctly, and the common ones without waste.
 
-Caches: a layer's `[B*K, T, Dh]` buffer is batch-major (row b*K + k; the layout the CPU needs, see
-jspec/cache.py), so its leading axis shards over ("data", "model"): batch rows on "data", then each data
-shard's rows split on "model". An axis that does not divide (B by data, K and H by model) is left out of the
-split. The split matches the kv heads each device's attention weights produce when a data shard holds one
-batch row (B == data); otherwise it is still correct, and XLA moves activations between devices (measured:
-tests/test_sharding.py counts the collectives).
+Caches: a layer's `[B*K, T, Dh]` buffer (one flat leading axis, the layout the CPU needs, see
+jspec/cache.py) shards kv heads on "model" and batch rows on "data", each where it divides (K and H by
+model, B by data), and is replicated otherwise. When kv heads split, the rows are heads-major (row k*B + b)
+and the leading axis shards over ("model", "data"): device (d, m) holds heads [m K/M, (m+1) K/M) of batch
+rows [d B/D, (d+1) B/D), exactly the heads its attention weights produce, so attention needs no
+communication. Otherwise the rows stay batch-major (row b*K + k) and shard over "data" alone.
 """
 from __future__ import annotations
 
@@ -92,23 +92,25 @@ def param_specs(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def cache_row_spec(batch: int, config: ModelConfig, mesh: Mesh) -> PartitionSpec:
-  """The rule in the module docstring, for one `[B*K, T, Dh]` buffer."""
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+  """How one model's `[B*K, T, Dh]` cache buffers lie on a mesh: the row order and the spec."""
+  spec: PartitionSpec
+  heads_major: bool = False
+
+
+def cache_layout(batch: int, config: ModelConfig | None, mesh: Mesh) -> CacheLayout:
+  """The rule in the module docstring. `config=None`: a replicated model's cache, split by batch only."""
   axes = []
-  if mesh.shape["data"] > 1 and batch % mesh.shape["data"] == 0:
-    axes.append("data")
-  if mesh.shape["model"] > 1 and config.n_kv_heads % mesh.shape["model"] == 0 \
+  if config is not None and mesh.shape["model"] > 1 and config.n_kv_heads % mesh.shape["model"] == 0 \
       and config.n_heads % mesh.shape["model"] == 0:
     axes.append("model")
+  if mesh.shape["data"] > 1 and batch % mesh.shape["data"] == 0:
+    axes.append("data")
   if not axes:
-    return PartitionSpec()
-  return PartitionSpec(tuple(axes) if len(axes) > 1 else axes[0], None, None)
-
-
-def data_spec(batch: int, mesh: Mesh) -> PartitionSpec:
-  """Batch rows over "data" when it divides them (the cache of a replicated draft), else replicated."""
-  return PartitionSpec("data", None, None) if batch % mesh.shape["data"] == 0 and mesh.shape["data"] > 1 \
-      else PartitionSpec()
+    return CacheLayout(PartitionSpec())
+  return CacheLayout(PartitionSpec(tuple(axes) if len(axes) > 1 else axes[0], None, None),
+                     heads_major=axes[0] == "model")
 
 
 def named(mesh: Mesh, specs: Any) -> Any:
@@ -126,23 +128,29 @@ def is_placed(tree: Any, mesh: Mesh) -> bool:
 class Layout:
   """How one request is laid out on a mesh: a static argument of the jitted loop (hashable)."""
   mesh: Mesh
-  target_cache: PartitionSpec
-  draft_cache: PartitionSpec
+  target_cache: CacheLayout
+  draft_cache: CacheLayout
 
   def constrain_caches(self, state):
-    """Pins the target's and the drafter's KV buffers to their specs; the loop keeps them there."""
+    """Gives the target's and the drafter's fresh (empty) KV caches their row order and pins their buffers
+    to their specs; the loop keeps them there."""
     from jspec.cache import KVCache
 
-    def pin(spec):
-      return lambda c: c.replace(k=tuple(jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-                                         for x in c.k),
-                                 v=tuple(jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-                                         for x in c.v))
+    def pin(layout: CacheLayout):
+      constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, layout.spec))
+      return lambda c: c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)),
+                                 heads_major=layout.heads_major)
     is_cache = lambda x: isinstance(x, KVCache)
-    return state.replace(
+    return state.replace(layout=self,
         target_cache=pin(self.target_cache)(state.target_cache),
         drafter_state=jax.tree.map(lambda x: pin(self.draft_cache)(x) if is_cache(x) else x,
                                    state.drafter_state, is_leaf=is_cache))
+
+  def pin_draft_logits(self, logits: jax.Array) -> jax.Array:
+    """A replicated draft's logits stay replicated. Otherwise the partitioner splits them by vocabulary
+    where they meet the target's (vocab-sharded) logits in verification, and that split travels back into
+    the draft's own sampling and embedding lookups as all-reduces."""
+    return logits if "model" in str(self.draft_cache.spec) else self.replicate(logits)
 
   def replicate(self, tree):
     replicated = NamedSharding(self.mesh, PartitionSpec())

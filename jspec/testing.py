@@ -95,9 +95,10 @@ def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
   return bad
 
 
-def loop_collectives(hlo_text: str) -> dict[str, int]:
+def loop_collectives(hlo_text: str, scope: str | None = None) -> dict[str, int]:
   """Counts of all-reduce and all-gather instructions that a compiled program runs inside its while loops
-  (loop bodies and everything they call, branches of conditionals included): one decode round's traffic."""
+  (loop bodies and everything they call, branches of conditionals included): one decode round's traffic.
+  With `scope`, only those traced under `jax.named_scope(scope)` (for example "drafter")."""
   computations = _computations(hlo_text)
   todo = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
   seen = set()
@@ -115,6 +116,6 @@ def loop_collectives(hlo_text: str) -> dict[str, int]:
   for comp in seen:
     for line in computations.get(comp, []):
       for op in counts:
-        if re.search(rf"= \S+ {op}(-start)?\(", line):
+        if re.search(rf"= \S+ {op}(-start)?\(", line) and (scope is None or f"/{scope}/" in line):
           counts[op] += 1
   return counts

@@ -54,7 +54,7 @@ def collectives(mesh, mode):
   text = engine.run.lower(*placed, target_config=CONFIG, drafter=drafter,
                           spec=None if mode == "ar" else decode.Speculation(3), capacity=128,
                           layout=layout).compile().as_text()
-  return testing.loop_collectives(text)
+  return {**testing.loop_collectives(text), "drafter": testing.loop_collectives(text, "drafter")}
 
 
 out = {"single": runs(None), "meshes": {}}
@@ -65,7 +65,8 @@ for spec in args.meshes.split(";"):
       **runs(mesh),
       "param_specs": {k: str(specs["layers"][0][k]) for k in ("wq", "wk", "wo", "w_gate", "w_down")} |
                      {"embed": str(specs["embed"])},
-      "cache_spec": str(sharding.cache_row_spec(len(prompts), CONFIG, mesh)),
+      "cache_spec": str(sharding.cache_layout(len(prompts), CONFIG, mesh).spec),
+      "cache_heads_major": sharding.cache_layout(len(prompts), CONFIG, mesh).heads_major,
       "sharded_init_equals_host_init": all(
           bool(np.allclose(a, b, rtol=1e-6, atol=1e-7)) and a.sharding.spec == sp  # jit may round by 1 ulp
           for a, b, sp in zip(jax.tree.leaves(sharding.init_params(CONFIG, jax.random.PRNGKey(0), mesh)),

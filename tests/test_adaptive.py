@@ -43,10 +43,13 @@ def test_draft_len_follows_the_expected_speedup():
   rates[7] = mixed.ewma_rate[0]
   tokens = 1 + np.cumsum(np.cumprod(rates))
   for policy in (POLICY, dataclasses.replace(POLICY, verify_cost=0.3)):  # the choice maximizes the formula
-    gains = tokens / (1 + np.arange(1, 9) * (policy.cost_ratio + policy.verify_cost))
+    gains = tokens / (1 + policy.round_overhead + np.arange(1, 9) * (policy.cost_ratio + policy.verify_cost))
     assert choose(mixed, policy=policy)[0] == 1 + int(np.argmax(gains))
-  # A dearer verify (each extra token costs more of the target forward) shortens the draft: 6 -> 2 here.
-  assert choose(mixed)[0] == 6 and choose(mixed, policy=dataclasses.replace(POLICY, verify_cost=0.3))[0] == 2
+  # A dearer verify (each extra token costs more of the target forward) shortens the draft: 6 -> 2 here;
+  # a dearer round (fixed overhead) lengthens it again.
+  costly = dataclasses.replace(POLICY, verify_cost=0.3)
+  assert choose(mixed)[0] == 6 and choose(mixed, policy=costly)[0] == 2
+  assert choose(mixed, policy=dataclasses.replace(costly, round_overhead=2.0))[0] == 6
   # Leviathan's formula is the special case r_i = alpha.
   alpha, c = 0.7, 0.1
   np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), c)[0],

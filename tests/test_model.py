@@ -11,13 +11,13 @@ from jspec import model, testing
 from jspec.config import num_params
 
 
-def _check_chunks(config, chunk, batch, capacity, prompt_lens, total, seed=0):
+def _check_chunks(config, chunk, batch, capacity, prompt_lens, total, seed=0, heads_major=False):
   params = model.init_params(config, jax.random.PRNGKey(seed))
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, total), 0, config.vocab_size)
   full_logits, full_hidden = model.forward_full(params, tokens, config)
   lens = np.asarray(prompt_lens, np.int32)
   width = int(lens.max())
-  cache = kvcache.init_cache(config, batch, capacity)
+  cache = kvcache.init_cache(config, batch, capacity, heads_major)
   positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
   logits, _, cache = model.forward(params, tokens[:, :width], positions, cache, config)
   for b in range(batch):  # prefill of right-padded prompts: each row's real positions match
@@ -41,10 +41,17 @@ def test_cache_matches_full_forward_ragged(chunk):
   _check_chunks(testing.TINY, chunk, batch=3, capacity=256, prompt_lens=[7, 1, 130], total=150)
 
 
-def test_cache_matches_full_forward_scatter_path_and_qkv_bias_untied():
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_cache_matches_full_forward_scatter_path_and_qkv_bias_untied(heads_major):
   config = dataclasses.replace(testing.TINY, qkv_bias=True, tie_embeddings=False, n_kv_heads=4)
   batch = kvcache.MAX_UNROLLED_ROWS + 1
-  _check_chunks(config, 3, batch=batch, capacity=128, prompt_lens=list(range(1, batch + 1)), total=40)
+  _check_chunks(config, 3, batch=batch, capacity=128, prompt_lens=list(range(1, batch + 1)), total=40,
+                heads_major=heads_major)
+
+
+def test_heads_major_cache_matches_full_forward():
+  # The row order a mesh uses when it splits kv heads (row k*B + b): per-row updates and attention.
+  _check_chunks(testing.TINY, 2, batch=3, capacity=256, prompt_lens=[7, 1, 130], total=150, heads_major=True)
 
 
 def test_rollback_is_only_a_length():

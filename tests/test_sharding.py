@@ -44,22 +44,28 @@ def test_partition_specs_follow_the_rules(eight_devices):
   assert tp["param_specs"] == {"wq": "P(None, 'model')", "wk": "P(None, 'model')",
                                "wo": "P('model', None)", "w_gate": "P(None, 'model')",
                                "w_down": "P('model', None)", "embed": "P('model', None)"}
-  assert tp["cache_spec"] == "P('model', None, None)"
+  assert tp["cache_spec"] == "P('model', None, None)" and tp["cache_heads_major"]
   dp = eight_devices["meshes"]["data=8"]
   assert set(dp["param_specs"].values()) == {"P(None, None)"}
-  assert dp["cache_spec"] == "P('data', None, None)"
-  assert eight_devices["meshes"]["data=2,model=4"]["cache_spec"] == "P(('data', 'model'), None, None)"
+  assert dp["cache_spec"] == "P('data', None, None)" and not dp["cache_heads_major"]
+  both = eight_devices["meshes"]["data=2,model=4"]
+  assert both["cache_spec"] == "P(('model', 'data'), None, None)" and both["cache_heads_major"]
   assert all(m["sharded_init_equals_host_init"] for m in eight_devices["meshes"].values())
 
 
-def test_collectives_per_round(eight_devices):
-  # Tensor parallelism: the target's layers all-reduce after wo and w_down (2 per layer, 2 layers), plus a
-  # few per round for the vocab-sharded embedding and logits. A replicated draft adds none: the speculative
-  # loop then all-reduces exactly as often as plain decoding does.
-  counts = eight_devices["meshes"]["model=8"]["collectives"]
-  assert 2 * 2 <= counts["ar"]["all-reduce"] <= 2 * 2 + 4
-  assert counts["replicated"]["all-reduce"] == counts["ar"]["all-reduce"]
-  assert counts["sharded"]["all-reduce"] > counts["replicated"]["all-reduce"]
+@pytest.mark.parametrize("mesh", ["model=8", "data=2,model=4"])
+def test_collectives_per_round(eight_devices, mesh):
+  # Tensor parallelism at batch 8: the target's layers all-reduce after wo and w_down (2 per layer, 2
+  # layers), plus a few per round for the vocab-sharded embedding and logits (sampling branches included).
+  # The heads-major cache keeps attention local: with batch-major rows split by batch the loop all-gathered
+  # 63 times per round. A replicated draft adds no model-axis traffic, only what a pure data-parallel mesh
+  # has too (a batch-wide "is every row greedy?"); a sharded draft all-reduces in its own layers.
+  counts = eight_devices["meshes"][mesh]["collectives"]
+  assert 2 * 2 <= counts["ar"]["all-reduce"] <= 2 * 2 + 5
+  assert counts["ar"]["all-gather"] <= 16
+  data_only = eight_devices["meshes"]["data=8"]["collectives"]["replicated"]["drafter"]
+  assert counts["replicated"]["drafter"] == ({"all-reduce": 0, "all-gather": 0} if mesh == "model=8" else data_only)
+  assert counts["sharded"]["drafter"]["all-reduce"] > data_only["all-reduce"]
 
 
 def _free_port() -> int:

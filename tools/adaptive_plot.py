@@ -43,7 +43,8 @@ def main() -> int:
   r = jspec.generate(target, [args.prompt], draft=draft, drafter=args.drafter, draft_len=args.draft_len,
                      max_new_tokens=args.max_new_tokens, adaptive=True, probe_interval=args.probe_interval,
                      cost_ratio=cli.SHIPPED_COST_RATIO[args.drafter],
-                     verify_cost=cli.SHIPPED_VERIFY_COST, trace_rounds=args.max_new_tokens,
+                     verify_cost=cli.SHIPPED_VERIFY_COST,
+                     round_overhead=cli.SHIPPED_ROUND_OVERHEAD[args.drafter], trace_rounds=args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
   trace = r.stats["trace"]
   tokens, x = 0, []

@@ -401,11 +401,11 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   greedy, interleaved per prompt."""
   c = cli.SHIPPED_COST_RATIO[kind]
   variants = {f"fixed{k}": dict(draft_len=k) for k in (2, 3, 4, 5, 6)}
-  v = cli.SHIPPED_VERIFY_COST
-  variants["adaptive"] = dict(draft_len=6, adaptive=True, cost_ratio=c, verify_cost=v)
-  variants["adaptive_no_fallback"] = dict(draft_len=6, adaptive=True, cost_ratio=c, verify_cost=v,
-                                          fallback_threshold=0.0)
-  out = {"drafter": kind, "cost_ratio": c, "verify_cost": v, "max_new_tokens": max_new, "sets": {}}
+  v, o = cli.SHIPPED_VERIFY_COST, cli.SHIPPED_ROUND_OVERHEAD[kind]
+  costs = dict(cost_ratio=c, verify_cost=v, round_overhead=o)
+  variants["adaptive"] = dict(draft_len=6, adaptive=True, **costs)
+  variants["adaptive_no_fallback"] = dict(draft_len=6, adaptive=True, fallback_threshold=0.0, **costs)
+  out = {"drafter": kind, **costs, "max_new_tokens": max_new, "sets": {}}
   for name, prompts in [("code", heldout_prompts(prompts_per_set)), ("prose", prose_prompts(prompts_per_set))]:
     walls = {k: 0.0 for k in ["ar", *variants]}
     stats = {k: [] for k in variants}
@@ -429,7 +429,11 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
                  "fallback_rounds": sum(s["fallback_rounds"] for s in st),
                  "probe_rounds": sum(s["probe_rounds"] for s in st), "draft_len_counts": counts}
     best_fixed = max((v for v in variants if v.startswith("fixed")), key=lambda v: rows[v]["speedup_over_ar"])
-    out["sets"][name] = {"rows": rows, "best_fixed": best_fixed,
+    # The cost model's calibration: a round of K drafts took tau / speedup AR steps; fit 1 + o + K (c + v).
+    ks = [int(v[5:]) for v in variants if v.startswith("fixed")]
+    slope, intercept = np.polyfit(ks, [rows[f"fixed{k}"]["tau"] / rows[f"fixed{k}"]["speedup_over_ar"] for k in ks], 1)
+    out["sets"][name] = {"rows": rows, "best_fixed": best_fixed, "fitted_round_overhead": intercept - 1,
+                         "fitted_cost_per_draft_token": slope,
                          "adaptive_over_best_fixed": rows["adaptive"]["speedup_over_ar"]
                          / rows[best_fixed]["speedup_over_ar"]}
     print(json.dumps({name: out["sets"][name]}), file=sys.stderr)
