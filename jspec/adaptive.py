@@ -3,9 +3,12 @@
 Per row we carry the per-token acceptance rate two ways: an EWMA (weight 0.1) and a rolling window of the
 last W speculative rounds. A round that accepts a of K proposals tested a + [a < K] of them (the first
 rejection is a test too; nothing after it is), so the rate estimates alpha, the chance that one proposal
-is accepted, whatever K was. We also carry, per draft position i, an EWMA of r_i, the chance that
-proposal i is accepted given that it was tested: acceptance is correlated (easy stretches accept long
-runs), so r_i grows with i, and Leviathan's i.i.d. alpha^i underestimates what long drafts gain.
+is accepted, whatever K was. We also carry, per draft position i, r_i, the chance that proposal i is
+accepted given that it was tested: acceptance is correlated (easy stretches accept long runs), so r_i grows
+with i, and Leviathan's i.i.d. alpha^i underestimates what long drafts gain. r_i is an EWMA over rounds
+shrunk toward alpha by a prior worth a fifth of one round; every round ages every position, so a position
+that short drafts stop testing drifts back to alpha instead of keeping one unlucky early estimate forever
+(which would pin K low).
 The batch shares one target forward, so the policy is per batch:
 
 - K: the one that maximizes the mean over active rows of the expected speedup
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 EWMA_WEIGHT = 0.1  # weight of the newest round, as in the seed's scheduler
+PRIOR_WEIGHT = 0.02  # how much alpha counts in each per-position rate (one round counts 0.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +52,8 @@ class Acceptance:
   ewma_tested_B: jax.Array
   window_accepted_BxW: jax.Array
   window_tested_BxW: jax.Array
-  ewma_hit_BxG: jax.Array  # per draft position: EWMA of "accepted" over the rounds that tested it
-  ewma_tested_BxG: jax.Array  # the same EWMA of 1 (its bias correction; 0 = no data)
+  ewma_hit_BxG: jax.Array  # per draft position: EWMA over rounds of "tested and accepted"
+  ewma_tested_BxG: jax.Array  # the same EWMA of "tested" (0 = no data)
   slot: jax.Array  # [] int32: the window slot the next speculative round writes
   plain_since_spec: jax.Array  # [] int32: plain rounds since the last speculative round
 
@@ -68,11 +72,12 @@ class Acceptance:
     window = lambda buf, new: buf.at[:, self.slot].set(jnp.where(counted_B, new, buf[:, self.slot]))
     position_G = jnp.arange(self.ewma_hit_BxG.shape[1])
     tested_BxG = counted_B[:, None] & (position_G <= n_accepted_B[:, None]) & (position_G < draft_len)
-    per_position = lambda old, new: jnp.where(tested_BxG, (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new, old)
+    per_position = lambda old, new: jnp.where(counted_B[:, None], (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new,
+                                              old)
     return Acceptance(ewma(self.ewma_accepted_B, accepted), ewma(self.ewma_tested_B, tested),
                       window(self.window_accepted_BxW, accepted), window(self.window_tested_BxW, tested),
-                      per_position(self.ewma_hit_BxG, position_G < n_accepted_B[:, None]),
-                      per_position(self.ewma_tested_BxG, 1.0),
+                      per_position(self.ewma_hit_BxG, tested_BxG & (position_G < n_accepted_B[:, None])),
+                      per_position(self.ewma_tested_BxG, tested_BxG),
                       (self.slot + 1) % self.window_tested_BxW.shape[1], jnp.zeros_like(self.plain_since_spec))
 
   def after_plain_round(self) -> "Acceptance":
@@ -83,10 +88,9 @@ class Acceptance:
     """[B] per-token acceptance rate from the EWMA; NaN where nothing was tested yet."""
     return self.ewma_accepted_B / jnp.where(self.ewma_tested_B > 0, self.ewma_tested_B, jnp.nan)
 
-  @property
-  def position_rates(self) -> jax.Array:
-    """[B, G] r_i: the chance proposal i is accepted once tested; NaN where position i has no data."""
-    return self.ewma_hit_BxG / jnp.where(self.ewma_tested_BxG > 0, self.ewma_tested_BxG, jnp.nan)
+  def position_rates(self, prior_B: jax.Array) -> jax.Array:
+    """[B, G] r_i: the chance proposal i is accepted once tested, shrunk toward `prior_B` (alpha)."""
+    return (self.ewma_hit_BxG + PRIOR_WEIGHT * prior_B[:, None]) / (self.ewma_tested_BxG + PRIOR_WEIGHT)
 
   @property
   def window_rate(self) -> jax.Array:
@@ -112,8 +116,7 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: Policy, max_draf
   """Returns (draft_len, probe): draft_len 0 means a plain target step."""
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)
-  rates_BxG = acceptance.position_rates
-  rates_BxG = jnp.where(jnp.isnan(rates_BxG), jnp.nan_to_num(alpha_B)[:, None], rates_BxG)
+  rates_BxG = acceptance.position_rates(jnp.nan_to_num(alpha_B))
   gain_BxK = expected_speedup(rates_BxG, policy.cost_ratio, policy.verify_cost, policy.round_overhead)
   best = 1 + jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))
   best = jnp.where(has_data.any(), best, min(policy.initial_draft_len, max_draft_len))
