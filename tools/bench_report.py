@@ -37,6 +37,23 @@ def table(cells: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def round_cost_fit(cells: list[dict]) -> dict[str, tuple[float, float]]:
+  """Per drafter, at the smallest batch and temperature: a least-squares line through the measured round
+  cost in AR steps against K, as (o, slope): a round costs 1 + o + K * slope, the adaptive cost model."""
+  fits = {}
+  for kind in dict.fromkeys(c["drafter"] for c in cells):
+    cs = [c for c in cells if c["drafter"] == kind]
+    cs = [c for c in cs if c["batch"] == min(x["batch"] for x in cs) and
+          c["temperature"] == min(x["temperature"] for x in cs)]
+    if len(cs) >= 2:
+      ks = [c["draft_len"] for c in cs]
+      ys = [c["round_cost_in_ar_steps"] for c in cs]
+      mk, my = statistics.fmean(ks), statistics.fmean(ys)
+      slope = sum((k - mk) * (y - my) for k, y in zip(ks, ys)) / sum((k - mk) ** 2 for k in ks)
+      fits[kind] = (my - slope * mk - 1, slope)
+  return fits
+
+
 def markdown(result: dict) -> str:
   m = result["machine"]
   out = [f"Measured on {m['processor']}, {m['cpus']} CPUs, {m['platform']}; JAX {result['jax']} "
@@ -52,6 +69,11 @@ def markdown(result: dict) -> str:
             "|---|" + "---|" * len(next(iter(sweep["verify_cost"].values())))]
     for b, vs in sweep["verify_cost"].items():
       out.append(f"| {b} | " + " | ".join(f"{v:.2f}" for v in vs.values()) + " |")
+    fits = round_cost_fit(sweep["cells"])
+    if fits:
+      out += ["", "A speculative round's measured cost in AR steps, fitted as 1 + o + K·s (smallest batch, "
+              "greedy); the adaptive cost model's o, and s = c + v:", "", "| drafter | o | s |", "|---|---|---|"]
+      out += [f"| {kind} | {o:.2f} | {slope:.3f} |" for kind, (o, slope) in fits.items()]
     out += ["", "Best K of each drafter, batch and temperature:", "", table(best_cells(sweep["cells"])), "",
             "<details><summary>Every cell</summary>", "", table(sweep["cells"]), "", "</details>", ""]
   out += ["Columns: tokens/s are end to end (host work included, compilation excluded), medians of interleaved "
