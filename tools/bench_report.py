@@ -1,4 +1,7 @@
-"""The sweep's Markdown tables and PNG plots (matplotlib), from the JSON that `tools/bench.py` writes."""
+"""The sweep's Markdown tables and PNG plots (matplotlib), from the JSON that `tools/bench.py` writes.
+
+  python tools/bench_report.py bench-out/bench.json --out docs/bench   # again, from a saved run
+"""
 from __future__ import annotations
 
 import pathlib
@@ -154,3 +157,24 @@ def plots(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     written.append(save(fig, out_dir / f"{name}-tokens_per_second_vs_batch.png"))
   return written
 
+
+
+def main() -> int:
+  """`python tools/bench_report.py BENCH_JSON --out DIR`: the tables and plots again, from a saved run."""
+  import argparse
+  import json
+  ap = argparse.ArgumentParser(description=main.__doc__)
+  ap.add_argument("json")
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args()
+  result = json.loads(pathlib.Path(args.json).read_text())
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "bench.md").write_text(markdown(result))
+  for path in plots(result, out):
+    print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
