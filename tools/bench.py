@@ -6,6 +6,7 @@
   python tools/bench.py --suite step    # decode-step costs: attention vs none, verify vs step, c
   python tools/bench.py --suite loop    # loop overhead and the verify cost curve on a ~30M model
   python tools/bench.py --suite adaptive --drafters model   # adaptive K and fallback vs fixed K and AR
+  python tools/bench.py --suite round   # where a speculative round's time goes (K = 4, batch 1)
   python tools/bench.py --quick         # a smoke run of the sweep on tiny random models (CI)
 Writes bench.json (everything), and for the sweep bench.md (tables) and PNG plots, to --out DIR.
 """
@@ -221,6 +222,63 @@ def suite_loop(repeats: int) -> dict:
   copy = jspec.generate(target, prompts, draft=target, max_new_tokens=5 * 8, draft_len=4)
   out["draft_equals_target_tokens_per_forward"] = copy.stats["mean_accepted_length"]
   return out
+
+
+def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200) -> dict:
+  """Where a speculative round's time goes, shipped pair, batch 1, greedy: the whole round, its parts
+  (the proposal of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop
+  from the same decode state; the rest of the round is its overhead."""
+  target = jspec.load(cli.DEFAULT_TARGET)
+  draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
+  drafter, dparams = drafters.resolve(target, draft, kind, draft_len=draft_len)
+  spec = decode.Speculation(draft_len)
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (1, used)), jnp.int32)
+  lens = jnp.full((1,), used, jnp.int32)
+  sp = engine.as_sampling(0.0, 0, 1.0, 1)
+  state = decode.init_state(prompt, lens, jnp.full((1,), 10 ** 6), sp, jnp.zeros((1,), jnp.uint32), 512,
+                            target.config, drafter, spec)
+  hidden, tcache = model.prefill(target.params, target.config, state.target_cache, prompt, lens)
+  state = state.replace(target_cache=tcache, drafter_state=drafter.prefill(dparams, target.params,
+                                                                         state.drafter_state, prompt, lens, hidden))
+  keys = jnp.zeros((draft_len, 1, 2), jnp.uint32)
+  chunk = jnp.ones((1, draft_len + 1), jnp.int32)
+  draft_logits = jnp.zeros((1, draft_len, target.config.vocab_size), jnp.float32)
+  has_draft = jnp.ones((1,), bool)
+  def propose(s, i):
+    dstate, _, logits, _ = drafter.propose(dparams, target.params, s.drafter_state, s.tokens, s.seq_lens - i % 2,
+                                           keys, sp)
+    return s.replace(drafter_state=dstate), logits.sum()
+
+  def verify_forward(s, i):
+    logits, _, cache = model.forward(target.params, chunk, s.seq_lens[:, None] - 1 + jnp.arange(draft_len + 1),
+                                     s.target_cache, target.config)
+    return s.replace(target_cache=cache.rewind(s.seq_lens - 1)), logits.sum()
+
+  # Each part returns (state, a value that depends on all its work), so XLA cannot drop any of it; the
+  # parts rewind to where they started, so every iteration does the same work.
+  parts = {
+      "round": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(
+          decode._speculative_step(target.params, dparams, target.config, drafter, spec, s)),
+      "ar_step": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(
+          decode._autoregressive_step(target.params, target.config, s)),
+      "verify_step": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(decode._verify_step(
+          target.params, target.config, drafter, dparams, s, chunk[:, 1:], draft_logits, has_draft, keys[0])),
+      "propose": propose, "verify_forward": verify_forward}
+
+  def timed(fn):
+    def body(i, carry):
+      s, acc = carry
+      s, value = fn(s, i)
+      return s, acc + value
+    run = jax.jit(lambda s: lax.fori_loop(0, 32, body, (s, jnp.zeros((), jnp.float32)))[1])
+    return lambda: jax.block_until_ready(run(state))
+  t = {k: v / 32 * 1e3 for k, v in interleaved({k: timed(f) for k, f in parts.items()}, repeats).items()}
+  rest = t["round"] - t["propose"] - t["verify_forward"]
+  return {"drafter": kind, "draft_len": draft_len, "batch": 1, "used": used, "ms": t,
+          "round_in_ar_steps": t["round"] / t["ar_step"], "overhead_ms": rest,
+          "overhead_in_ar_steps": rest / t["ar_step"],
+          # of which: acceptance, commit, statistics and the drafter's bookkeeping after the forward
+          "verify_logic_ms": t["verify_step"] - t["verify_forward"]}
 
 
 def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, batch: int = 1) -> float:
@@ -449,7 +507,7 @@ def floats(text: str) -> list[float]:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive"], default="sweep")
+  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round"], default="sweep")
   ap.add_argument("--quick", action="store_true", help="a smoke run of the sweep on tiny random models (CI)")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
@@ -476,6 +534,8 @@ def main() -> int:
     result = suite_step(args.repeats)
   elif args.suite == "loop":
     result = suite_loop(args.repeats)
+  elif args.suite == "round":
+    result = {"rounds": [suite_round(args.repeats, kind) for kind in args.drafters.split(",")]}
   elif args.suite == "adaptive":
     kind = args.drafters.split(",")[0]
     target = jspec.load(cli.DEFAULT_TARGET)
