@@ -188,5 +188,6 @@ def _on_mesh(mesh: Mesh, args: tuple, target: Model, drafter, shard_draft: bool)
     drafter_params = sharding.place(drafter_params, mesh, specs)
   if shard_draft and draft_config is not None:
     draft_cache = sharding.cache_layout(batch, draft_config, mesh)
-  layout = sharding.Layout(mesh, sharding.cache_layout(batch, target.config, mesh), draft_cache)
+  layout = sharding.Layout(mesh, sharding.cache_layout(batch, target.config, mesh), draft_cache,
+                           draft_replicated=not shard_draft)
   return (target_params, drafter_params, *sharding.place(tuple(rest), mesh)), layout

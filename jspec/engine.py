@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import decode, model, sharding
 from jspec.config import ModelConfig
@@ -20,15 +21,17 @@ from jspec.drafters import Drafter
 from jspec.sampling import SamplingParams
 
 
-@functools.partial(jax.jit, static_argnames=("target_config", "drafter", "spec", "capacity", "layout"))
-def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
+STATIC = ("target_config", "drafter", "spec", "capacity", "layout")
+
+
+def _run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
         max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array, *,
         target_config: ModelConfig, drafter: Drafter | None, spec: decode.Speculation | None,
         capacity: int, layout: sharding.Layout | None = None) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
   """Prefills and decodes a batch; autoregressive when `drafter` is None.
 
   Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
-  With a `layout`, the caches are sharded by its rules and the outputs are replicated on its mesh.
+  With a `layout`, the caches are sharded by its rules (see `lower` for the arguments and outputs).
   """
   state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
                             target_config, drafter, spec)
@@ -43,8 +46,24 @@ def run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array
     state = state.replace(drafter_state=drafter.prefill(drafter_params, target_params, state.drafter_state,
                                                         prompts_BxP, prompt_lens_B, hidden))
     state = decode.speculative(target_params, drafter_params, target_config, drafter, spec, state)
-  out = state.tokens, state.seq_lens, state.stats
-  return out if layout is None else layout.replicate(out)
+  return state.tokens, state.seq_lens, state.stats
+
+
+run = jax.jit(_run, static_argnames=STATIC)
+
+
+def lower(args: tuple, static: dict) -> Any:
+  """`run` lowered for these arguments. On a mesh (`static["layout"]`) its shardings are explicit, as
+  `jax.jit(in_shardings=..., out_shardings=...)` (what pjit became): each argument keeps the sharding it
+  was placed with and the outputs are replicated. The decode state lives only inside the executable (the
+  while loop updates it in place), so no state buffer crosses the boundary to donate."""
+  layout = static.get("layout")
+  if layout is None:
+    return run.lower(*args, **static)
+  replicated = NamedSharding(layout.mesh, PartitionSpec())
+  explicit = jax.jit(functools.partial(_run, **static), out_shardings=replicated,
+                     in_shardings=jax.tree.map(lambda x: x.sharding, args))
+  return explicit.lower(*args)
 
 
 # Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.
@@ -60,7 +79,7 @@ def compiled_run(args: tuple, static: dict) -> tuple[Any, float]:
     _compiled.move_to_end(key)
     return _compiled[key], 0.0
   start = time.perf_counter()
-  _compiled[key] = run.lower(*args, **static).compile()
+  _compiled[key] = lower(args, static).compile()
   if len(_compiled) > MAX_EXECUTABLES:
     _compiled.popitem(last=False)
   return _compiled[key], time.perf_counter() - start

@@ -130,6 +130,7 @@ class Layout:
   mesh: Mesh
   target_cache: CacheLayout
   draft_cache: CacheLayout
+  draft_replicated: bool = False  # the drafter's weights are whole on every device
 
   def constrain_caches(self, state):
     """Gives the target's and the drafter's fresh (empty) KV caches their row order and pins their buffers
@@ -150,7 +151,7 @@ class Layout:
     """A replicated draft's logits stay replicated. Otherwise the partitioner splits them by vocabulary
     where they meet the target's (vocab-sharded) logits in verification, and that split travels back into
     the draft's own sampling and embedding lookups as all-reduces."""
-    return logits if "model" in str(self.draft_cache.spec) else self.replicate(logits)
+    return self.replicate(logits) if self.draft_replicated else logits
 
   def replicate(self, tree):
     replicated = NamedSharding(self.mesh, PartitionSpec())

@@ -51,10 +51,13 @@ def collectives(mesh, mode):
           jax.numpy.arange(8, dtype="uint32"))
   drafter = None if mode == "ar" else drafters.ModelDrafter(DRAFT)
   placed, layout = api._on_mesh(mesh, args, target, drafter, mode == "sharded")
-  text = engine.run.lower(*placed, target_config=CONFIG, drafter=drafter,
-                          spec=None if mode == "ar" else decode.Speculation(3), capacity=128,
-                          layout=layout).compile().as_text()
-  return {**testing.loop_collectives(text), "drafter": testing.loop_collectives(text, "drafter")}
+  compiled = engine.lower(placed, dict(target_config=CONFIG, drafter=drafter, capacity=128, layout=layout,
+                                       spec=None if mode == "ar" else decode.Speculation(3))).compile()
+  text = compiled.as_text()
+  explicit = (all(s.is_fully_replicated for s in jax.tree.leaves(compiled.output_shardings))
+              and jax.tree.leaves(compiled.input_shardings[0]) == [x.sharding for x in jax.tree.leaves(placed)])
+  return {**testing.loop_collectives(text), "drafter": testing.loop_collectives(text, "drafter"),
+          "explicit_shardings": explicit}
 
 
 out = {"single": runs(None), "meshes": {}}

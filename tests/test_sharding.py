@@ -61,6 +61,7 @@ def test_collectives_per_round(eight_devices, mesh):
   # 63 times per round. A replicated draft adds no model-axis traffic, only what a pure data-parallel mesh
   # has too (a batch-wide "is every row greedy?"); a sharded draft all-reduces in its own layers.
   counts = eight_devices["meshes"][mesh]["collectives"]
+  assert all(counts[mode]["explicit_shardings"] for mode in ("ar", "sharded", "replicated"))
   assert 2 * 2 <= counts["ar"]["all-reduce"] <= 2 * 2 + 5
   assert counts["ar"]["all-gather"] <= 16
   data_only = eight_devices["meshes"]["data=8"]["collectives"]["replicated"]["drafter"]
