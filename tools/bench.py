@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import pathlib
 import resource
@@ -419,9 +420,18 @@ def verify_cost(target, batch: int, k: int, repeats: int, used: int = 200) -> fl
   return t["wide"] / t["one"]
 
 
+def release_executables() -> None:
+  """Frees every compiled executable: XLA:CPU maps each one's code, and a few hundred compiles in one process
+  run out of memory mappings ("LLVM compilation error: Cannot allocate memory")."""
+  engine.clear_cache()
+  jax.clear_caches()
+  gc.collect()
+
+
 def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int], temperatures: list[float],
-                batches: list[int], max_new: int, repeats: int) -> dict:
-  """drafter x K x temperature x batch, each cell against AR in the same process, with the bound check."""
+                batches: list[int], max_new: int, repeats: int, save=lambda out: None) -> dict:
+  """drafter x K x temperature x batch, each cell against AR in the same process, with the bound check.
+  `save(out)` is called after every cell, so a long run that dies keeps what it measured."""
   target_params = num_params(target.config)
   out = {"prompts": len(prompts), "max_new_tokens": max_new, "target_params": target_params, "drafters": {},
          "verify_cost": {}, "cells": []}
@@ -450,6 +460,8 @@ def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int],
     row["engine_efficiency"] = None if row["alpha"] is None else row["speedup"] / row["predicted_speedup"]
     row["round_cost_predicted"] = k * c + v
     out["cells"].append(row)
+    save(out)
+    release_executables()
   progress.close()
   return out
 
@@ -548,9 +560,13 @@ def main() -> int:
     result = {"sets": {}}
     for name in args.prompt_sets.split(","):
       print(f"prompt set {name}", file=sys.stderr)
+
+      def save(sweep, name=name):
+        result["sets"][name] = sweep
+        (out_dir / "bench.json").write_text(json.dumps({"partial": True, **result}, indent=2))
       result["sets"][name] = suite_sweep(target, drafts, PROMPT_SETS[name](args.prompts), ints(args.draft_lens),
                                          floats(args.temperatures), ints(args.batches), args.max_new_tokens,
-                                         args.repeats)
+                                         args.repeats, save)
     if args.with_hf:
       import bench_hf
       result["hf"] = bench_hf.compare(cli.DEFAULT_TARGET, cli.SHIPPED_DRAFTS["model"],

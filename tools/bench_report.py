@@ -1,6 +1,7 @@
 """The sweep's Markdown tables and PNG plots (matplotlib), from the JSON that `tools/bench.py` writes.
 
   python tools/bench_report.py bench-out/bench.json --out docs/bench   # again, from a saved run
+  python tools/bench_report.py a/bench.json b/bench.json --out docs/bench   # runs merged (one per drafter)
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def round_cost_fit(cells: list[dict]) -> dict[str, tuple[float, float]]:
     cs = [c for c in cells if c["drafter"] == kind]
     cs = [c for c in cs if c["batch"] == min(x["batch"] for x in cs) and
           c["temperature"] == min(x["temperature"] for x in cs)]
-    if len(cs) >= 2:
-      ks = [c["draft_len"] for c in cs]
+    ks = [c["draft_len"] for c in cs]
+    if len(set(ks)) >= 2:
       ys = [c["round_cost_in_ar_steps"] for c in cs]
       mk, my = statistics.fmean(ks), statistics.fmean(ys)
       slope = sum((k - mk) * (y - my) for k, y in zip(ks, ys)) / sum((k - mk) ** 2 for k in ks)
@@ -159,15 +160,31 @@ def plots(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 
+def merge(results: list[dict]) -> dict:
+  """Sweeps of the same prompt sets run in separate processes (for example one per drafter), as one."""
+  out = {**results[0], "sets": {}}
+  out["command"] = " && ".join(r["command"] for r in results)
+  for r in results:
+    for name, sweep in r["sets"].items():
+      if name not in out["sets"]:
+        out["sets"][name] = {**sweep, "drafters": {}, "cells": []}
+      merged = out["sets"][name]
+      merged["drafters"].update(sweep["drafters"])
+      merged["cells"] += sweep["cells"]
+    if "hf" in r:
+      out["hf"] = r["hf"]
+  return out
+
+
 def main() -> int:
   """`python tools/bench_report.py BENCH_JSON --out DIR`: the tables and plots again, from a saved run."""
   import argparse
   import json
   ap = argparse.ArgumentParser(description=main.__doc__)
-  ap.add_argument("json")
+  ap.add_argument("json", nargs="+")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
-  result = json.loads(pathlib.Path(args.json).read_text())
+  result = merge([json.loads(pathlib.Path(p).read_text()) for p in args.json])
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "bench.md").write_text(markdown(result))
