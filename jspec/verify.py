@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling import sample
+from jspec.sampling import argmax, sample
 
 
 def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
@@ -37,7 +37,7 @@ def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
 
 def verify_greedy(draft_BxG: jax.Array, target_logits_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
   """`verify` for a batch where every row is greedy (one-hot p and q), computed from argmaxes alone."""
-  best_BxG1 = jnp.argmax(target_logits_BxG1xV, axis=-1).astype(jnp.int32)
+  best_BxG1 = argmax(target_logits_BxG1xV)
   n_accepted = jnp.sum(jnp.cumprod(draft_BxG == best_BxG1[:, :-1], axis=1), axis=1).astype(jnp.int32)
   return n_accepted, jnp.take_along_axis(best_BxG1, n_accepted[:, None], axis=1)[:, 0]
 

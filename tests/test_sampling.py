@@ -137,6 +137,14 @@ def test_verify_greedy_cases():
     assert (int(n[0]), int(nxt[0])) == (want_n, want_next)
 
 
+def test_argmax_is_jnp_argmax_with_ties_and_infinities():
+  rng = np.random.default_rng(0)
+  x = rng.integers(-3, 3, (4, 5, 97)).astype(np.float32)  # many ties: the first maximal index wins
+  x[0, 0] = -np.inf
+  x[1, 1, 40:] = np.inf
+  np.testing.assert_array_equal(sampling.argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+
+
 def test_typical_acceptance_is_labelled_lossy_and_keeps_greedy_output(pair):
   target, draft = pair
   greedy = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12)

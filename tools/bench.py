@@ -230,6 +230,7 @@ def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int
   (the proposal of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop
   from the same decode state; the rest of the round is its overhead."""
   target = jspec.load(cli.DEFAULT_TARGET)
+  tparams = model.with_head(target.params)  # as the decode loop reads it (see engine._run)
   draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
   drafter, dparams = drafters.resolve(target, draft, kind, draft_len=draft_len)
   spec = decode.Speculation(draft_len)
@@ -238,20 +239,20 @@ def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int
   sp = engine.as_sampling(0.0, 0, 1.0, 1)
   state = decode.init_state(prompt, lens, jnp.full((1,), 10 ** 6), sp, jnp.zeros((1,), jnp.uint32), 512,
                             target.config, drafter, spec)
-  hidden, tcache = model.prefill(target.params, target.config, state.target_cache, prompt, lens)
-  state = state.replace(target_cache=tcache, drafter_state=drafter.prefill(dparams, target.params,
+  hidden, tcache = model.prefill(tparams, target.config, state.target_cache, prompt, lens)
+  state = state.replace(target_cache=tcache, drafter_state=drafter.prefill(dparams, tparams,
                                                                          state.drafter_state, prompt, lens, hidden))
   keys = jnp.zeros((draft_len, 1, 2), jnp.uint32)
   chunk = jnp.ones((1, draft_len + 1), jnp.int32)
   draft_logits = jnp.zeros((1, draft_len, target.config.vocab_size), jnp.float32)
   has_draft = jnp.ones((1,), bool)
   def propose(s, i):
-    dstate, _, logits, _ = drafter.propose(dparams, target.params, s.drafter_state, s.tokens, s.seq_lens - i % 2,
+    dstate, _, logits, _ = drafter.propose(dparams, tparams, s.drafter_state, s.tokens, s.seq_lens - i % 2,
                                            keys, sp)
     return s.replace(drafter_state=dstate), logits.sum()
 
   def verify_forward(s, i):
-    logits, _, cache = model.forward(target.params, chunk, s.seq_lens[:, None] - 1 + jnp.arange(draft_len + 1),
+    logits, _, cache = model.forward(tparams, chunk, s.seq_lens[:, None] - 1 + jnp.arange(draft_len + 1),
                                      s.target_cache, target.config)
     return s.replace(target_cache=cache.rewind(s.seq_lens - 1)), logits.sum()
 
@@ -259,11 +260,11 @@ def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int
   # parts rewind to where they started, so every iteration does the same work.
   parts = {
       "round": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(
-          decode._speculative_step(target.params, dparams, target.config, drafter, spec, s)),
+          decode._speculative_step(tparams, dparams, target.config, drafter, spec, s)),
       "ar_step": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(
-          decode._autoregressive_step(target.params, target.config, s)),
+          decode._autoregressive_step(tparams, target.config, s)),
       "verify_step": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(decode._verify_step(
-          target.params, target.config, drafter, dparams, s, chunk[:, 1:], draft_logits, has_draft, keys[0])),
+          tparams, target.config, drafter, dparams, s, chunk[:, 1:], draft_logits, has_draft, keys[0])),
       "propose": propose, "verify_forward": verify_forward}
 
   def timed(fn):
@@ -288,13 +289,14 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   Both run 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
   """
   drafter, dparams = drafters.resolve(target, draft, kind, draft_len=1)
+  tparams = model.with_head(target.params)  # as the decode loop reads it (see engine._run)
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)), jnp.int32)
   lens = jnp.full((batch,), used, jnp.int32)
   sp = engine.as_sampling(0.0, 0, 1.0, batch)
   state = decode.init_state(prompt, lens, lens, sp, jnp.zeros((batch,), jnp.uint32), 512, target.config,
                             drafter, decode.Speculation(1))
-  hidden, tcache = model.prefill(target.params, target.config, state.target_cache, prompt, lens)
-  dstate = drafter.prefill(dparams, target.params, state.drafter_state, prompt, lens, hidden)
+  hidden, tcache = model.prefill(tparams, target.config, state.target_cache, prompt, lens)
+  dstate = drafter.prefill(dparams, tparams, state.drafter_state, prompt, lens, hidden)
   keys = jnp.zeros((1, batch, 2), jnp.uint32)
 
   # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
@@ -302,7 +304,7 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   def propose_loop(dstate):
     def body(i, carry):
       acc, dstate = carry
-      dstate, _, logits, _ = drafter.propose(dparams, target.params, dstate, state.tokens, lens - i % 2, keys, sp)
+      dstate, _, logits, _ = drafter.propose(dparams, tparams, dstate, state.tokens, lens - i % 2, keys, sp)
       return acc + logits[0, 0, 0], dstate
     return lax.fori_loop(0, 32, body, (jnp.zeros(()), dstate))
 
@@ -311,7 +313,7 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
     def body(i, carry):
       acc, cache = carry
       pos = lens[:, None] - 1 - i % 2
-      logits, _, cache = model.forward(target.params, prompt[:, :1], pos, cache.rewind(pos[:, 0]),
+      logits, _, cache = model.forward(tparams, prompt[:, :1], pos, cache.rewind(pos[:, 0]),
                                       target.config)
       return acc + logits[0, 0, 0], cache
     return lax.fori_loop(0, 32, body, (jnp.zeros(()), cache))
@@ -414,8 +416,9 @@ def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, 
 
 def verify_cost(target, batch: int, k: int, repeats: int, used: int = 200) -> float:
   """A forward of K+1 tokens per row over one of 1 token, batch rows, `used` tokens in the cache."""
-  one, _ = step_loop(target.params, target.config, batch, 512, used, 1, True)
-  wide, _ = step_loop(target.params, target.config, batch, 512, used, k + 1, True)
+  tparams = model.with_head(target.params)
+  one, _ = step_loop(tparams, target.config, batch, 512, used, 1, True)
+  wide, _ = step_loop(tparams, target.config, batch, 512, used, k + 1, True)
   t = interleaved({"one": one, "wide": wide}, repeats)
   return t["wide"] / t["one"]
 

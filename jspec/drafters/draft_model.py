@@ -40,9 +40,11 @@ class ModelDrafter:
 
     def catch_up(width, cache):
       span = d[:, None] + jnp.arange(width)
-      logits, _, c = model.forward(params, jnp.take_along_axis(tokens_BxL, span, axis=1), span, cache,
+      _, hidden, c = model.forward(params, jnp.take_along_axis(tokens_BxL, span, axis=1), span, cache,
                                    self.config)
-      return jnp.take_along_axis(logits, (n - 1 - d)[:, None, None], axis=1)[:, 0], c
+      # Only slot n-1's logits are needed: the LM head runs on one row (its unused logits are dropped).
+      hidden_Bx1xD = jnp.take_along_axis(hidden, (n - 1 - d)[:, None, None], axis=1)
+      return model.logits_from_hidden(params, hidden_Bx1xD)[:, 0], c
 
     if self.max_lag <= 1:
       logits_BxV, cache = catch_up(2, cache)
