@@ -15,9 +15,9 @@ SHIPPED_DRAFTS = {"model": CHECKPOINTS / "code-draft", "medusa": CHECKPOINTS / "
 # (tools/bench.py, "c" per drafter, measured on 2 CPU cores).
 # Adaptive speculation's cost model for the shipped pair, in target steps, measured by tools/bench.py: c per
 # drafter, o (a speculative round's time beyond its forwards) per drafter, v for the target.
-SHIPPED_COST_RATIO = {"model": 0.086, "medusa": 0.064, "eagle": 0.229, "ngram": 0.005}
-# o: fitted from fixed-K rounds (BENCHMARKS.md); the model drafter's fits ranged 0.53-1.22 across runs.
-SHIPPED_ROUND_OVERHEAD = {"model": 0.85, "medusa": 0.37, "eagle": 0.68, "ngram": 0.27}
+SHIPPED_COST_RATIO = {"model": 0.082, "medusa": 0.061, "eagle": 0.177, "ngram": 0.006}
+# o: fitted from fixed-K rounds (BENCHMARKS.md, the batch-1 sweep after the faster rounds).
+SHIPPED_ROUND_OVERHEAD = {"model": 0.54, "medusa": 0.40, "eagle": 0.56, "ngram": 0.21}
 SHIPPED_VERIFY_COST = 0.08
 # The best measured speedup on held-out code at the default K = 4 (README, "Drafters").
 DEFAULT_DRAFTER = "eagle"
