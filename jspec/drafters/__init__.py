@@ -6,6 +6,7 @@ They borrow the target's embedding and LM head, so they load next to a target of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from typing import Any
@@ -64,6 +65,11 @@ def load_heads(path: str | pathlib.Path, dtype: str | None = None, mesh=None) ->
                                                   mesh))
 
 
+@functools.lru_cache(maxsize=16)  # by identity: a loaded pair is checked once, not on every request (~4 ms)
+def _same_vocab(a, b) -> bool:
+  return a.get_vocab() == b.get_vocab()
+
+
 def resolve(target: checkpoint.Model, draft: Any, drafter: str | None, max_ngram: int = 3,
             draft_len: int = 1) -> tuple[Drafter | None, Any]:
   """(drafter, its params) for a request, or (None, None) for plain decoding. Mismatches are ValueErrors.
@@ -86,7 +92,7 @@ def resolve(target: checkpoint.Model, draft: Any, drafter: str | None, max_ngram
     if draft.config.vocab_size != target.config.vocab_size:
       raise ValueError(f"draft vocab size {draft.config.vocab_size} differs from the target's "
                        f"{target.config.vocab_size}")
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+    if not _same_vocab(draft.tokenizer, target.tokenizer):
       raise ValueError("the draft's tokenizer differs from the target's")
     return ModelDrafter(draft.config), draft.params
   shape = draft.drafter.target_config if kind == "medusa" else draft.drafter.config
