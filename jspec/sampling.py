@@ -35,12 +35,13 @@ def _filter_top_k_top_p(logits_BxSxV: jax.Array, top_k_B: jax.Array, top_p_B: ja
   return jnp.where(logits_BxSxV < threshold, -jnp.inf, logits_BxSxV)
 
 
-def argmax(logits_BxV: jax.Array) -> jax.Array:
-  """`jnp.argmax` over the last axis (the first maximal index), as a max and a min: XLA:CPU runs its
-  (value, index) pair reduction 4-5x slower, and this is on every round's critical path."""
-  best = logits_BxV.max(-1, keepdims=True)
-  index = lax.broadcasted_iota(jnp.int32, logits_BxV.shape, logits_BxV.ndim - 1)
-  return jnp.min(jnp.where(logits_BxV == best, index, logits_BxV.shape[-1] - 1), axis=-1)
+def argmax(logits: jax.Array) -> jax.Array:
+  """`jnp.argmax` over the last axis, `[..., V] -> [...]` int32 (the first maximal index), as a max and a
+  min: XLA:CPU runs its (value, index) pair reduction 3-5x slower over 1-8 rows of 6144 logits, on every
+  round's critical path."""
+  best = logits.max(-1, keepdims=True)
+  index = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  return jnp.min(jnp.where(logits == best, index, logits.shape[-1] - 1), axis=-1)
 
 
 def probabilities(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
