@@ -274,6 +274,7 @@ def autoregressive(params: model.Params, config: ModelConfig, state: DecodeState
   """Plain decoding until every row is done: one target forward per token. Pure; jit it yourself or use
   `jspec.api`."""
   trace_counts["autoregressive"] += 1
+  params = model.with_head(params)
   return _loop(lambda s: _autoregressive_step(params, config, s), state)
 
 
@@ -281,5 +282,6 @@ def speculative(target_params: model.Params, drafter_params, target_config: Mode
                 spec: Speculation, state: DecodeState) -> DecodeState:
   """Speculative decoding with any drafter until every row is done. Pure, like `autoregressive`."""
   trace_counts["speculative"] += 1
+  target_params = model.with_head(target_params)
   return _loop(lambda s: _speculative_step(target_params, drafter_params, target_config, drafter, spec, s),
                state)

@@ -33,7 +33,6 @@ def _run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Arra
   Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
   With a `layout`, the caches are sharded by its rules (see `lower` for the arguments and outputs).
   """
-  target_params = model.with_head(target_params)
   state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
                             target_config, drafter, spec)
   if layout is not None:

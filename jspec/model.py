@@ -67,8 +67,8 @@ def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array) -> jax.Array:
 
 def with_head(params: Params) -> Params:
   """`params` with an explicit `lm_head [D,V]`. A tied head read as `embed.T` inside the decode loop makes
-  every multi-token LM head a transposed matmul, about 2x slower on XLA:CPU; transposing it once per
-  request, outside the loop, costs one copy of the embedding."""
+  every multi-token LM head a transposed matmul, about 2x slower on XLA:CPU; the decode loops call this
+  once, outside their while loop, which costs one copy of the embedding per request."""
   return params if "lm_head" in params else {**params, "lm_head": params["embed"].T}
 
 

@@ -230,7 +230,7 @@ def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int
   (the proposal of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop
   from the same decode state; the rest of the round is its overhead."""
   target = jspec.load(cli.DEFAULT_TARGET)
-  tparams = model.with_head(target.params)  # as the decode loop reads it (see engine._run)
+  tparams = model.with_head(target.params)  # as the decode loops read it
   draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
   drafter, dparams = drafters.resolve(target, draft, kind, draft_len=draft_len)
   spec = decode.Speculation(draft_len)
@@ -289,7 +289,7 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   Both run 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
   """
   drafter, dparams = drafters.resolve(target, draft, kind, draft_len=1)
-  tparams = model.with_head(target.params)  # as the decode loop reads it (see engine._run)
+  tparams = model.with_head(target.params)  # as the decode loops read it
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)), jnp.int32)
   lens = jnp.full((batch,), used, jnp.int32)
   sp = engine.as_sampling(0.0, 0, 1.0, batch)
