@@ -57,7 +57,8 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
              adaptive: bool = False, fallback_threshold: float = 0.4, probe_interval: int = 16,
              cost_ratio: float = 0.1, verify_cost: float = 0.0, round_overhead: float = 0.0,
              disable_at_batch_size: int | None = None, trace_rounds: int = 0,
-             mesh: Mesh | None = None, shard_draft: bool = True, seed: int | Sequence[int] = 0) -> Result:
+             mesh: Mesh | None = None, shard_draft: bool = True, seed: int | Sequence[int] = 0,
+             ignore_eos: bool = False) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft model or trained Medusa/EAGLE heads (`jspec.load` returns either); `drafter="ngram"`
@@ -69,6 +70,8 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   With `disable_at_batch_size=N`, batches of N or more rows decode plainly. Row b samples with `seed + b`
   (or `seed[b]` when a list is given), so a row is reproducible alone (not with `adaptive`, whose K is
   chosen for the whole batch). `trace_rounds=R` records the first R adaptive rounds in `stats["trace"]`.
+  `ignore_eos=True` decodes `max_new_tokens` for every row, past any EOS (as vLLM's benchmarks do), without
+  compiling anything new.
 
   With a `mesh` (`jspec.sharding.make_mesh("data=D,model=M")`), parameters and caches are sharded by the
   rules in `jspec.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs
@@ -117,7 +120,8 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   seeds = np.asarray(seeds, np.uint32)
   args = (target.params, drafter_params, prompts_BxP,
           np.asarray([len(p) for p in prompt_ids], np.int32), np.full((batch,), max_new_tokens, np.int32),
-          engine.as_sampling(temperature, top_k, top_p, batch), seeds)
+          engine.as_sampling(temperature, top_k, top_p, batch), seeds,
+          np.full((batch,), -1 if ignore_eos or target.config.eos_id is None else target.config.eos_id, np.int32))
   static = dict(target_config=target.config, drafter=chosen, spec=spec, capacity=capacity)
   if mesh is not None:
     args, static["layout"] = _on_mesh(mesh, args, target, chosen, shard_draft)

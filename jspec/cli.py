@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--draft-len", type=int, default=4, help="tokens drafted per round (K)")
   p.add_argument("--seed", type=int, default=0, help="row b samples with seed + b")
+  p.add_argument("--ignore-eos", action="store_true",
+                 help="decode --max-new-tokens for every prompt, past any EOS (for benchmarks)")
   p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
   p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                  help="pick each round's K (up to --draft-len) from the carried acceptance, inside the loop, and "
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
   shipped_pair = pathlib.Path(args.target).resolve() == DEFAULT_TARGET and args.draft is None
   measured = lambda given, value: given if given is not None else (value if shipped_pair else 0.0)
   opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed)
+              top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
   result = jspec.generate(target, prompts, draft=draft, drafter=drafter, draft_len=args.draft_len,
                           max_ngram=args.max_ngram, typical_acceptance=args.typical_acceptance,
                           adaptive=args.adaptive, fallback_threshold=args.fallback_threshold,

@@ -30,7 +30,6 @@ from jspec.verify import verify, verify_greedy, verify_typical
 trace_counts: collections.Counter = collections.Counter()
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Speculation:
   """How the speculative loop runs; static (hashable), part of the compiled shape."""
@@ -79,7 +78,7 @@ class DecodeState:
   target_cache: kvcache.KVCache
   drafter_state: DrafterState
   stats: DecodeStats
-  eos_id: jax.Array  # [] int32; -1 when the model has none
+  eos_B: jax.Array  # [B] int32: the token that ends row b; -1 for none (no EOS, or EOS ignored)
   layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.sharding.Layout on a mesh
 
   @property
@@ -89,11 +88,16 @@ class DecodeState:
 
 def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array,
                sampling: SamplingParams, seeds_B: jax.Array, capacity: int, target_config: ModelConfig,
-               drafter: Drafter | None = None, spec: Speculation | None = None) -> DecodeState:
-  """A state holding right-padded prompts and empty caches of `capacity` slots (see `required_capacity`)."""
+               drafter: Drafter | None = None, spec: Speculation | None = None,
+               eos_B: jax.Array | None = None) -> DecodeState:
+  """A state holding right-padded prompts and empty caches of `capacity` slots (see `required_capacity`).
+
+  Row b stops at token `eos_B[b]` (-1: never); by default at the target's EOS.
+  """
   batch, prompt_width = prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(prompts_BxP)
-  eos = target_config.eos_id
+  if eos_B is None:
+    eos_B = jnp.full((batch,), -1 if target_config.eos_id is None else target_config.eos_id)
   return DecodeState(
       tokens=tokens, seq_lens=prompt_lens_B.astype(jnp.int32), prompt_lens=prompt_lens_B.astype(jnp.int32),
       max_new_tokens=max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
@@ -103,7 +107,7 @@ def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_
       stats=DecodeStats.zeros(batch, spec.draft_len if spec else 1,
                               spec.adaptive.window if spec and spec.adaptive else 8,
                               spec.trace_rounds if spec else 0),
-      eos_id=jnp.asarray(-1 if eos is None else eos, jnp.int32))
+      eos_B=jnp.asarray(eos_B, jnp.int32))
 
 
 def required_capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
@@ -129,7 +133,7 @@ def _commit(state: DecodeState, candidates_BxC: jax.Array, num_candidates_B: jax
   """
   width = candidates_BxC.shape[1]
   idx_C = jnp.arange(width)
-  is_eos = (candidates_BxC == state.eos_id) & (idx_C < num_candidates_B[:, None])
+  is_eos = (candidates_BxC == state.eos_B[:, None]) & (idx_C < num_candidates_B[:, None])
   upto_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, width)
   room = state.max_new_tokens - state.num_emitted
   num_new = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(num_candidates_B, upto_eos), room))

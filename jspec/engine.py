@@ -25,16 +25,17 @@ STATIC = ("target_config", "drafter", "spec", "capacity", "layout")
 
 
 def _run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
-        max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array, *,
+        max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array, eos_B: jax.Array, *,
         target_config: ModelConfig, drafter: Drafter | None, spec: decode.Speculation | None,
         capacity: int, layout: sharding.Layout | None = None) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
   """Prefills and decodes a batch; autoregressive when `drafter` is None.
 
-  Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new tokens are `tokens[b, prompt_len:seq_len]`.
+  Row b stops at token `eos_B[b]` (-1: never). Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new
+  tokens are `tokens[b, prompt_len:seq_len]`.
   With a `layout`, the caches are sharded by its rules (see `lower` for the arguments and outputs).
   """
   state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
-                            target_config, drafter, spec)
+                            target_config, drafter, spec, eos_B)
   if layout is not None:
     state = layout.constrain_caches(state)
   hidden, target_cache = model.prefill(target_params, target_config, state.target_cache, prompts_BxP,

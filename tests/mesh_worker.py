@@ -48,7 +48,7 @@ def collectives(mesh, mode):
   from jspec import api, decode, drafters
   args = (target.params, None if mode == "ar" else draft.params, jax.numpy.zeros((8, 16), "int32"),
           jax.numpy.full((8,), 3, "int32"), jax.numpy.full((8,), 8, "int32"), engine.as_sampling(0.0, 0, 1.0, 8),
-          jax.numpy.arange(8, dtype="uint32"))
+          jax.numpy.arange(8, dtype="uint32"), jax.numpy.full((8,), -1, "int32"))
   drafter = None if mode == "ar" else drafters.ModelDrafter(DRAFT)
   placed, layout = api._on_mesh(mesh, args, target, drafter, mode == "sharded")
   compiled = engine.lower(placed, dict(target_config=CONFIG, drafter=drafter, capacity=128, layout=layout,

@@ -81,6 +81,11 @@ def test_eos_stops_each_row_and_nothing_follows_it():
       assert ids[-1] == 3 or len(ids) == 40
     assert len(set(lengths)) > 1, lengths
     assert r.stats["emitted_tokens"] == sum(lengths)
+    # ignore_eos: the same request decodes every row to max_new_tokens, through its EOS, with no new compile.
+    r2 = jspec.generate(target, prompts, max_new_tokens=40, temperature=1.0, seed=7, ignore_eos=True, **kwargs)
+    assert [len(ids) for ids in r2.token_ids] == [40] * 4
+    assert all(ids[:len(a)] == a for ids, a in zip(r2.token_ids, r.token_ids))
+    assert r2.stats["compile_seconds"] == 0.0
 
 
 def test_request_at_the_edge_of_the_context_finishes(pair):
@@ -101,7 +106,7 @@ def test_no_retrace_across_requests_in_a_bucket(pair):
   before = dict(decode.trace_counts)
   for i, (prompt, temp) in enumerate([("abc", 0.0), ("a longer prompt", 0.7), ("zz", 1.3)]):
     r = jspec.generate(target, [prompt], draft=draft, max_new_tokens=10 + i, draft_len=3, temperature=temp,
-                       top_k=i * 5, top_p=1.0 - 0.1 * i, seed=i)
+                       top_k=i * 5, top_p=1.0 - 0.1 * i, seed=i, ignore_eos=bool(i % 2))
     assert r.stats["compile_seconds"] == 0.0
   assert dict(decode.trace_counts) == before
 

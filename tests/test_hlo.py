@@ -25,7 +25,7 @@ def _hlo(batch, kind, capacity=512):
   }[kind]
   args = (target.params, draft_params, np.zeros((batch, 16), np.int32),
           np.full((batch,), 3, np.int32), np.full((batch,), 8, np.int32),
-          engine.as_sampling(0.0, 0, 1.0, batch), np.arange(batch, dtype=np.uint32))
+          engine.as_sampling(0.0, 0, 1.0, batch), np.arange(batch, dtype=np.uint32), np.full((batch,), -1, np.int32))
   static = dict(target_config=CONFIG, drafter=drafter, spec=spec, capacity=capacity)
   return engine.run.lower(*args, **static).compile().as_text()
 

@@ -381,14 +381,18 @@ class Progress:
 
 def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, k: int, max_new: int,
          repeats: int) -> dict:
-  """One sweep cell: AR and speculative decoding of each batch of prompts, interleaved; medians summed."""
+  """One sweep cell: AR and speculative decoding of each batch of prompts, interleaved; medians summed.
+
+  Every row decodes `max_new` tokens (EOS ignored, as vLLM's benchmarks do), so both sides do the same work
+  even when sampling, and row r of the cell samples with seed r: one unlucky draw (an early EOS) can neither
+  end a request nor repeat across every prompt."""
   spec_kw = dict(draft=draft, drafter=kind, draft_len=k)
-  kw = dict(max_new_tokens=max_new, temperature=temperature)
+  kw = dict(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
   walls, last, compile_s = {"ar": 0.0, "spec": 0.0}, {}, 0.0
   reset_peak_memory()
   for g, group in enumerate(groups):
     def run(name, extra):
-      last[name, g] = jspec.generate(target, group, **kw, **extra)
+      last[name, g] = jspec.generate(target, group, **kw, **extra, seed=g * len(group))
     run("spec", spec_kw)  # the first call compiles (once per prompt bucket); AR compiled in an earlier cell
     compile_s += last["spec", g].stats["compile_seconds"]
     run("ar", {})
