@@ -1,7 +1,7 @@
 """The sweep's Markdown tables and PNG plots (matplotlib), from the JSON that `tools/bench.py` writes.
 
   python tools/bench_report.py bench-out/bench.json --out docs/bench   # again, from a saved run
-  python tools/bench_report.py a/bench.json b/bench.json --out docs/bench   # runs merged (one per drafter)
+  python tools/bench_report.py a/bench.json b/bench.json --out docs/bench   # runs merged; b's cells win
 """
 from __future__ import annotations
 
@@ -160,8 +160,13 @@ def plots(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 
+def _cell_key(c: dict) -> tuple:
+  return c["drafter"], c["batch"], c["temperature"], c["draft_len"]
+
+
 def merge(results: list[dict]) -> dict:
-  """Sweeps of the same prompt sets run in separate processes (for example one per drafter), as one."""
+  """Sweeps of the same prompt sets run in separate processes (for example one per drafter), as one. A cell
+  (drafter, batch, temperature, K) measured again in a later run replaces the earlier measurement."""
   out = {**results[0], "sets": {}}
   out["command"] = " && ".join(r["command"] for r in results)
   for r in results:
@@ -170,9 +175,13 @@ def merge(results: list[dict]) -> dict:
         out["sets"][name] = {**sweep, "drafters": {}, "cells": []}
       merged = out["sets"][name]
       merged["drafters"].update(sweep["drafters"])
-      merged["cells"] += sweep["cells"]
+      again = {_cell_key(c) for c in sweep["cells"]}
+      merged["cells"] = [c for c in merged["cells"] if _cell_key(c) not in again] + sweep["cells"]
     if "hf" in r:
       out["hf"] = r["hf"]
+  for sweep in out["sets"].values():
+    order = {kind: i for i, kind in enumerate(sweep["drafters"])}
+    sweep["cells"].sort(key=lambda c: (order[c["drafter"]], *_cell_key(c)[1:]))
   return out
 
 
