@@ -19,8 +19,8 @@ SHIPPED_COST_RATIO = {"model": 0.082, "medusa": 0.061, "eagle": 0.177, "ngram": 
 # o: fitted from fixed-K rounds (BENCHMARKS.md, the batch-1 sweep after the faster rounds).
 SHIPPED_ROUND_OVERHEAD = {"model": 0.54, "medusa": 0.40, "eagle": 0.56, "ngram": 0.21}
 SHIPPED_VERIFY_COST = 0.08
-# The best measured speedup on held-out code at the default K = 4 (README, "Drafters").
-DEFAULT_DRAFTER = "eagle"
+# The best measured speedup on held-out code at the default K = 4 and --max-new-tokens (README, "Drafters").
+DEFAULT_DRAFTER = "model"
 KINDS = ("model", "medusa", "eagle", "ngram")
 
 

@@ -32,11 +32,26 @@ COLUMNS = [("drafter", "drafter", str), ("batch", "batch", str), ("T", "temperat
            ("peak MB", "peak_memory_mb", lambda x: _f(x, 0))]
 
 
-def table(cells: list[dict]) -> str:
+# A cell whose AR rate is this far below the median AR rate of its batch had a slow baseline (noise on a
+# shared machine): its speedup is flagged, not to be read as a gain.
+AR_OUTLIER = 0.8
+
+
+def ar_outliers(cells: list[dict]) -> set[int]:
+  """Indices of cells whose AR tokens/s fell below AR_OUTLIER x the median of their batch."""
+  median = {b: statistics.median(c["ar_tokens_per_second"] for c in cells if c["batch"] == b)
+            for b in {c["batch"] for c in cells}}
+  return {i for i, c in enumerate(cells) if c["ar_tokens_per_second"] < AR_OUTLIER * median[c["batch"]]}
+
+
+def table(cells: list[dict], all_cells: list[dict] | None = None) -> str:
+  """One row per cell; speedups over a slow AR baseline (see `ar_outliers`, over `all_cells`) get a †."""
+  all_cells = cells if all_cells is None else all_cells
+  slow = {id(all_cells[i]) for i in ar_outliers(all_cells)}
   lines = ["| " + " | ".join(name for name, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   for c in cells:
-    row = [f"{_f(c['round_cost_in_ar_steps'])} ({_f(c['round_cost_predicted'])})" if key is None else fmt(c[key])
-           for _, key, fmt in COLUMNS]
+    row = [f"{_f(c['round_cost_in_ar_steps'])} ({_f(c['round_cost_predicted'])})" if key is None
+           else fmt(c[key]) + (" †" if key == "speedup" and id(c) in slow else "") for _, key, fmt in COLUMNS]
     lines.append("| " + " | ".join(row) + " |")
   return "\n".join(lines)
 
@@ -78,14 +93,17 @@ def markdown(result: dict) -> str:
       out += ["", "A speculative round's measured cost in AR steps, fitted as 1 + o + K·s (smallest batch, "
               "greedy); the adaptive cost model's o, and s = c + v:", "", "| drafter | o | s |", "|---|---|---|"]
       out += [f"| {kind} | {o:.2f} | {slope:.3f} |" for kind, (o, slope) in fits.items()]
-    out += ["", "Best K of each drafter, batch and temperature:", "", table(best_cells(sweep["cells"])), "",
+    out += ["", "Best K of each drafter, batch and temperature:", "",
+            table(best_cells(sweep["cells"]), sweep["cells"]), "",
             "<details><summary>Every cell</summary>", "", table(sweep["cells"]), "", "</details>", ""]
   out += ["Columns: tokens/s are end to end (host work included, compilation excluded), medians of interleaved "
           "repeats; speedup = AR time / speculative time; accept = accepted / drafted; α = accepted / tested "
           "(the first rejection of a round counts as tested); τ = tokens per row per target forward; predicted "
           "= Leviathan's (1 − α^(K+1)) / ((1 − α)(K c + v)); efficiency = speedup / predicted; round cost = "
           "measured time of one speculative round in AR steps (predicted K c + v in brackets); peak MB = peak "
-          "RSS during the cell on the CPU, peak device memory on an accelerator.", ""]
+          "RSS during the cell on the CPU, peak device memory on an accelerator; † = the cell's AR rate was under "
+          f"{AR_OUTLIER:.0%} of its batch's median AR rate (a slow baseline on a noisy machine), so its speedup is "
+          "not a measured gain.", ""]
   if "hf" in result:
     h = result["hf"]
     out += ["### Hugging Face transformers, the same pair (greedy, batch 1)", "",
