@@ -120,8 +120,7 @@ def generate(target: Model, prompts: Sequence[str | Sequence[int]], *,
   seeds = np.asarray(seeds, np.uint32)
   args = (target.params, drafter_params, prompts_BxP,
           np.asarray([len(p) for p in prompt_ids], np.int32), np.full((batch,), max_new_tokens, np.int32),
-          engine.as_sampling(temperature, top_k, top_p, batch), seeds,
-          np.full((batch,), -1 if ignore_eos or target.config.eos_id is None else target.config.eos_id, np.int32))
+          engine.as_sampling(temperature, top_k, top_p, batch), seeds, decode.eos_ids(target.config, batch, ignore_eos))
   static = dict(target_config=target.config, drafter=chosen, spec=spec, capacity=capacity)
   if mesh is not None:
     args, static["layout"] = _on_mesh(mesh, args, target, chosen, shard_draft)

@@ -97,7 +97,7 @@ def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_
   batch, prompt_width = prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(prompts_BxP)
   if eos_B is None:
-    eos_B = jnp.full((batch,), -1 if target_config.eos_id is None else target_config.eos_id)
+    eos_B = eos_ids(target_config, batch)
   return DecodeState(
       tokens=tokens, seq_lens=prompt_lens_B.astype(jnp.int32), prompt_lens=prompt_lens_B.astype(jnp.int32),
       max_new_tokens=max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
@@ -108,6 +108,13 @@ def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_
                               spec.adaptive.window if spec and spec.adaptive else 8,
                               spec.trace_rounds if spec else 0),
       eos_B=jnp.asarray(eos_B, jnp.int32))
+
+
+def eos_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False) -> jax.Array:
+  """Each row's stop token, `init_state`'s `eos_B`: the target's EOS, or -1 (never) when it has none or
+  `ignore_eos` is set."""
+  return jnp.full((batch,), -1 if ignore_eos or target_config.eos_id is None else target_config.eos_id,
+                  jnp.int32)
 
 
 def required_capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:

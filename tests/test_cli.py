@@ -125,3 +125,14 @@ def test_cli_runs_every_drafter_kind(ckpts, capsys):
     assert out["stats"]["drafter"] == kind and len(out["outputs"][0]["token_ids"]) == 6
   assert cli.main(base + ["--drafter", "eagle"]) == 2
   assert "needs --draft DIR for a target other than the shipped one" in capsys.readouterr().err
+
+
+def test_cli_ignore_eos_decodes_past_eos(ckpts, capsys):
+  # With this seed the prompt's first sampled token is EOS: plain decoding stops there, --ignore-eos does not.
+  base = ["--target", str(ckpts / "target"), "--no-draft", "--prompt", "x", "--temperature", "1", "--seed", "7",
+          "--max-new-tokens", "12", "--json"]
+  lengths = []
+  for extra in ([], ["--ignore-eos"]):
+    assert cli.main(base + extra) == 0
+    lengths.append(len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]))
+  assert lengths == [1, 12]

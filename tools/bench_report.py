@@ -37,17 +37,16 @@ COLUMNS = [("drafter", "drafter", str), ("batch", "batch", str), ("T", "temperat
 AR_OUTLIER = 0.8
 
 
-def ar_outliers(cells: list[dict]) -> set[int]:
-  """Indices of cells whose AR tokens/s fell below AR_OUTLIER x the median of their batch."""
+def slow_baselines(cells: list[dict]) -> set[int]:
+  """`id`s of the cells whose AR tokens/s fell below AR_OUTLIER x the median of their batch."""
   median = {b: statistics.median(c["ar_tokens_per_second"] for c in cells if c["batch"] == b)
             for b in {c["batch"] for c in cells}}
-  return {i for i, c in enumerate(cells) if c["ar_tokens_per_second"] < AR_OUTLIER * median[c["batch"]]}
+  return {id(c) for c in cells if c["ar_tokens_per_second"] < AR_OUTLIER * median[c["batch"]]}
 
 
 def table(cells: list[dict], all_cells: list[dict] | None = None) -> str:
-  """One row per cell; speedups over a slow AR baseline (see `ar_outliers`, over `all_cells`) get a †."""
-  all_cells = cells if all_cells is None else all_cells
-  slow = {id(all_cells[i]) for i in ar_outliers(all_cells)}
+  """One row per cell; speedups over a slow AR baseline (see `slow_baselines`, over `all_cells`) get a †."""
+  slow = slow_baselines(cells if all_cells is None else all_cells)
   lines = ["| " + " | ".join(name for name, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   for c in cells:
     row = [f"{_f(c['round_cost_in_ar_steps'])} ({_f(c['round_cost_predicted'])})" if key is None
