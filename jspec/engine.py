@@ -91,8 +91,12 @@ def clear_cache() -> None:
 
 
 def prompt_bucket(length: int) -> int:
-  """Padded prompt width: a power of two, at least 16, so nearby prompt lengths share an executable."""
-  return max(16, 1 << (length - 1).bit_length())
+  """Padded prompt width: a power of two or 1.5 times one, at least 16, so nearby prompt lengths share an
+  executable. Prefill runs over the whole width, so two buckets an octave pad by a third at most, not by
+  half (a prompt of 150 tokens prefills 192, not 256): padding falls from 38% to 18% of the prompt on
+  average, for twice the executables."""
+  width = max(16, 1 << (length - 1).bit_length())
+  return width * 3 // 4 if width >= 32 and width * 3 // 4 >= length else width
 
 
 def as_sampling(temperature, top_k, top_p, batch: int) -> SamplingParams:

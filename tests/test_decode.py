@@ -111,6 +111,15 @@ def test_no_retrace_across_requests_in_a_bucket(pair):
   assert dict(decode.trace_counts) == before
 
 
+def test_prompt_buckets_hold_the_prompt_with_at_most_a_third_padding():
+  from jspec.engine import prompt_bucket
+  widths = [prompt_bucket(n) for n in range(1, 4097)]
+  assert all(n <= w for n, w in zip(range(1, 4097), widths))
+  assert all(n > w * 2 // 3 for n, w in zip(range(17, 4097), widths[16:]))  # padding < a third of the width
+  assert sorted(set(widths)) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+                                 4096]  # two executables an octave
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
   target, draft = pair
   kw = dict(draft=draft, max_new_tokens=16, draft_len=3, temperature=1.0)
