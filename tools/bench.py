@@ -7,6 +7,7 @@
   python tools/bench.py --suite loop    # loop overhead and the verify cost curve on a ~30M model
   python tools/bench.py --suite adaptive --drafters model   # adaptive K and fallback vs fixed K and AR
   python tools/bench.py --suite round   # where a speculative round's time goes (K = 4, batch 1)
+  python tools/bench.py --suite prefill # prefill time by prompt bucket width
   python tools/bench.py --quick         # a smoke run of the sweep on tiny random models (CI)
 Writes bench.json (everything), and for the sweep bench.md (tables) and PNG plots, to --out DIR.
 """
@@ -44,13 +45,19 @@ STEP_MODEL = ModelConfig(vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_h
                          mlp_dim=1024, max_seq_len=8192)
 
 
-def interleaved(fns: dict, repeats: int, warmup: bool = True) -> dict[str, float]:
-  """Median seconds of each fn, calling them in turn `repeats` times (after one warm-up each)."""
+def interleaved(fns: dict, repeats: int, warmup: bool = True, warm_each: bool = False) -> dict[str, float]:
+  """Median seconds of each fn, calling them in turn `repeats` times (after one warm-up each).
+
+  `warm_each` times each call right after an untimed call of the same fn: for fns that share no weights,
+  so that none is timed with the CPU caches full of the previous fn's data.
+  """
   for f in fns.values() if warmup else ():
     f()
   times = {k: [] for k in fns}
   for _ in range(repeats):
     for k, f in fns.items():
+      if warm_each:
+        f()
       t0 = time.perf_counter()
       f()
       times[k].append(time.perf_counter() - t0)
@@ -229,6 +236,22 @@ def suite_loop(repeats: int) -> dict:
   return out
 
 
+def suite_prefill(repeats: int, widths: tuple[int, ...] = (96, 128, 192, 256, 384, 512)) -> dict:
+  """The shipped target's prefill of one prompt as wide as each prompt bucket: prefill runs over the whole
+  padded width, so its cost follows the bucket, not the prompt."""
+  target = jspec.load(cli.DEFAULT_TARGET)
+  tparams = model.with_head(target.params)
+  prefill = jax.jit(lambda c, t, n: model.prefill(tparams, target.config, c, t, n)[0].sum())
+  fns = {}
+  for width in widths:
+    args = (kvcache.init_cache(target.config, 1, kvcache.round_capacity(width + 1)),
+            jnp.ones((1, width), jnp.int32), jnp.full((1,), width, jnp.int32))
+    fns[width] = lambda args=args: jax.block_until_ready(prefill(*args))
+  t = interleaved(fns, repeats)
+  return {"prefill_ms": {w: t[w] * 1e3 for w in widths},
+          "prefill_us_per_token": {w: t[w] * 1e6 / w for w in widths}}
+
+
 def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200) -> dict:
   """Where a speculative round's time goes, shipped pair, batch 1, greedy: the whole round, its parts
   (the proposal of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop
@@ -260,6 +283,13 @@ def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int
                                      s.target_cache, target.config)
     return s.replace(target_cache=cache.rewind(s.seq_lens - 1)), logits.sum()
 
+  def propose_and_ar_step(s, i):
+    """A proposal and an AR step that do not depend on each other: what they cost together beyond their
+    sum is what the draft's weights and cache cost the target in evicted CPU caches."""
+    s, value = propose(s, i)
+    s = decode._autoregressive_step(tparams, target.config, s)
+    return s, value + s.seq_lens.sum()
+
   # Each part returns (state, a value that depends on all its work), so XLA cannot drop any of it; the
   # parts rewind to where they started, so every iteration does the same work.
   parts = {
@@ -269,7 +299,7 @@ def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int
           decode._autoregressive_step(tparams, target.config, s)),
       "verify_step": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(decode._verify_step(
           tparams, target.config, drafter, dparams, s, chunk[:, 1:], draft_logits, has_draft, keys[0])),
-      "propose": propose, "verify_forward": verify_forward}
+      "propose": propose, "verify_forward": verify_forward, "propose_and_ar_step": propose_and_ar_step}
 
   def timed(fn):
     def body(i, carry):
@@ -284,7 +314,8 @@ def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int
           "round_in_ar_steps": t["round"] / t["ar_step"], "overhead_ms": rest,
           "overhead_in_ar_steps": rest / t["ar_step"],
           # of which: acceptance, commit, statistics and the drafter's bookkeeping after the forward
-          "verify_logic_ms": t["verify_step"] - t["verify_forward"]}
+          "verify_logic_ms": t["verify_step"] - t["verify_forward"],
+          "interference_ms": t["propose_and_ar_step"] - t["propose"] - t["ar_step"]}
 
 
 def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, batch: int = 1) -> float:
@@ -530,7 +561,7 @@ def floats(text: str) -> list[float]:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round"], default="sweep")
+  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill"], default="sweep")
   ap.add_argument("--quick", action="store_true", help="a smoke run of the sweep on tiny random models (CI)")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
@@ -557,6 +588,8 @@ def main() -> int:
     result = suite_step(args.repeats)
   elif args.suite == "loop":
     result = suite_loop(args.repeats)
+  elif args.suite == "prefill":
+    result = suite_prefill(args.repeats)
   elif args.suite == "round":
     result = {"rounds": [suite_round(args.repeats, kind) for kind in args.drafters.split(",")]}
   elif args.suite == "adaptive":

@@ -1,7 +1,8 @@
 """The peer comparison: Hugging Face transformers' assisted generation against jspec, on the same pair.
 
 The jspec checkpoints are converted with `python -m jspec.convert --to-hf`, loaded by transformers, and both
-libraries decode the same prompts greedily at batch 1 on the same CPU, interleaved (HF, jspec, HF, jspec ...).
+libraries decode the same prompts greedily at batch 1 on the same CPU, interleaved (HF, jspec, HF, jspec ...),
+each timed call right after an untimed one of its own.
 Needs the `[interop]` extra (torch, transformers).
 """
 from __future__ import annotations
@@ -52,7 +53,9 @@ def compare(target_dir, draft_dir, prompts: list[str], max_new: int, repeats: in
     fns = {"hf_assisted": lambda: hf("hf_assisted", assistant_model=hf_draft), "hf_plain": lambda: hf("hf_plain"),
            "jspec_spec": lambda: ours("jspec_spec", draft=draft, drafter="model", draft_len=draft_len),
            "jspec_plain": lambda: ours("jspec_plain")}
-    for name, t in interleaved(fns, repeats).items():
+    # HF and jspec hold separate copies of the weights, each about the size of this CPU's L3 cache: every
+    # timed call follows an untimed one of its own, so neither runs on the other's evicted weights.
+    for name, t in interleaved(fns, repeats, warm_each=True).items():
       walls[name] += t
       tokens[name] += len(out[name])
     identical += len({tuple(v) for v in out.values()}) == 1
