@@ -26,6 +26,7 @@ def best_cells(cells: list[dict]) -> list[dict]:
 COLUMNS = [("drafter", "drafter", str), ("batch", "batch", str), ("T", "temperature", str), ("K", "draft_len", str),
            ("AR tok/s", "ar_tokens_per_second", lambda x: _f(x, 0)),
            ("spec tok/s", "spec_tokens_per_second", lambda x: _f(x, 0)), ("speedup", "speedup", _f),
+           ("decode speedup", "decode_speedup", _f),
            ("accept", "acceptance_rate", _f), ("α", "alpha", _f), ("τ", "tau", _f),
            ("predicted", "predicted_speedup", _f), ("efficiency", "engine_efficiency", _f),
            ("round cost (pred.)", None, None), ("compile s", "compile_seconds", lambda x: _f(x, 1)),
@@ -50,7 +51,7 @@ def table(cells: list[dict], all_cells: list[dict] | None = None) -> str:
   lines = ["| " + " | ".join(name for name, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
   for c in cells:
     row = [f"{_f(c['round_cost_in_ar_steps'])} ({_f(c['round_cost_predicted'])})" if key is None
-           else fmt(c[key]) + (" †" if key == "speedup" and id(c) in slow else "") for _, key, fmt in COLUMNS]
+           else fmt(c.get(key)) + (" †" if key == "speedup" and id(c) in slow else "") for _, key, fmt in COLUMNS]
     lines.append("| " + " | ".join(row) + " |")
   return "\n".join(lines)
 
@@ -96,10 +97,13 @@ def markdown(result: dict) -> str:
             table(best_cells(sweep["cells"]), sweep["cells"]), "",
             "<details><summary>Every cell</summary>", "", table(sweep["cells"]), "", "</details>", ""]
   out += ["Columns: tokens/s are end to end (host work included, compilation excluded), medians of interleaved "
-          "repeats; speedup = AR time / speculative time; accept = accepted / drafted; α = accepted / tested "
+          "repeats; speedup = AR time / speculative time; decode speedup = the same for the decode phase (each time "
+          "less a one-token request's, plus that token's AR step: prefill and host work are left out); "
+          "accept = accepted / drafted; α = accepted / tested "
           "(the first rejection of a round counts as tested); τ = tokens per row per target forward; predicted "
-          "= Leviathan's (1 − α^(K+1)) / ((1 − α)(K c + v)); efficiency = speedup / predicted; round cost = "
-          "measured time of one speculative round in AR steps (predicted K c + v in brackets); peak MB = peak "
+          "= Leviathan's (1 − α^(K+1)) / ((1 − α)(K c + v)); efficiency = decode speedup / predicted; round cost = "
+          "measured time of one speculative round of the decode phase in AR steps (predicted K c + v in "
+          "brackets); peak MB = peak "
           "RSS during the cell on the CPU, peak device memory on an accelerator; † = the cell's AR rate was under "
           f"{AR_OUTLIER:.0%} of its batch's median AR rate (a slow baseline on a noisy machine), so its speedup is "
           "not a measured gain.", ""]
