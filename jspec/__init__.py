@@ -1,6 +1,55 @@
-"""jspec: lossless speculative decoding in JAX."""
-from jspec.api import Result, generate
-from jspec.checkpoint import Model, load, save
-from jspec.config import ModelConfig
+"""jspec: lossless speculative decoding in JAX.
 
-__all__ = ["Model", "ModelConfig", "Result", "generate", "load", "save"]
+The public names below load on first use, so `import jspec` (and `python -m jspec.generate --help`) does not
+import JAX.
+
+Shape suffixes: one legend for the whole package. A name like `logits_BxKxV` is an array of shape [B, K, V].
+  B  batch rows                          K  tokens drafted per round (K1 = K + 1: the tokens a verify feeds)
+  S  tokens fed to one forward           P  padded prompt width
+  T  slots of a KV cache or token buffer V  vocabulary
+  D  model width                         F  MLP width
+  H  query heads                         J  key/value heads
+  Q  query heads per kv head (H / J)     Dh head dim
+  X  cache rows, B * J                   N  layers
+  C  target features a head drafter keeps (K + 1)
+  W  rounds in the adaptive acceptance window
+  R  adaptive rounds recorded in a trace
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.2.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "generate": "jspec.api", "Result": "jspec.api",
+    "load": "jspec.loading", "save": "jspec.checkpoint",
+    "Model": "jspec.model", "Heads": "jspec.drafters", "ModelConfig": "jspec.config",
+    "SamplingConfig": "jspec.settings", "SpecConfig": "jspec.settings", "AdaptiveConfig": "jspec.settings",
+    "CostModel": "jspec.settings", "Stats": "jspec.stats", "make_mesh": "jspec.sharding",
+}
+__all__ = ["AdaptiveConfig", "CostModel", "Heads", "Model", "ModelConfig", "Result", "SamplingConfig", "SpecConfig",
+           "Stats", "generate", "load", "make_mesh", "save"]
+
+if TYPE_CHECKING:
+  from jspec.api import Result, generate
+  from jspec.checkpoint import save
+  from jspec.config import ModelConfig
+  from jspec.drafters import Heads
+  from jspec.loading import load
+  from jspec.model import Model
+  from jspec.settings import AdaptiveConfig, CostModel, SamplingConfig, SpecConfig
+  from jspec.sharding import make_mesh
+  from jspec.stats import Stats
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'jspec' has no attribute {name!r}")
+  return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+  return sorted(list(globals()) + __all__)

@@ -25,25 +25,14 @@ The batch shares one target forward, so the policy is per batch:
 """
 from __future__ import annotations
 
-import dataclasses
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jspec.settings import AdaptiveConfig
+
 EWMA_WEIGHT = 0.1  # weight of the newest round, as in the seed's scheduler
 PRIOR_WEIGHT = 0.02  # how much alpha counts in each per-position rate (one round counts 0.1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-  cost_ratio: float = 0.1  # c: a draft step's time over a target step's (measured: tools/bench.py)
-  verify_cost: float = 0.0  # v: a target step's extra time per extra verified token, in target steps
-  round_overhead: float = 0.0  # o: a speculative round's time beyond its forwards, in target steps
-  fallback_threshold: float = 0.4  # 0 disables fallback
-  probe_interval: int = 16  # plain rounds between probes
-  window: int = 8  # W: rounds in the rolling window
-  initial_draft_len: int = 4
 
 
 @flax.struct.dataclass
@@ -52,35 +41,35 @@ class Acceptance:
   ewma_tested_B: jax.Array
   window_accepted_BxW: jax.Array
   window_tested_BxW: jax.Array
-  ewma_hit_BxG: jax.Array  # per draft position: EWMA over rounds of "tested and accepted"
-  ewma_tested_BxG: jax.Array  # the same EWMA of "tested" (0 = no data)
+  ewma_hit_BxK: jax.Array  # per draft position: EWMA over rounds of "tested and accepted"
+  ewma_tested_BxK: jax.Array  # the same EWMA of "tested" (0 = no data)
   slot: jax.Array  # [] int32: the window slot the next speculative round writes
   plain_since_spec: jax.Array  # [] int32: plain rounds since the last speculative round
 
   @classmethod
-  def zeros(cls, batch: int, window: int, max_draft_len: int) -> "Acceptance":
+  def zeros(cls, batch: int, window: int, max_draft_len: int) -> Acceptance:
     f = lambda *shape: jnp.zeros(shape, jnp.float32)
     z = jnp.zeros((), jnp.int32)
     return cls(f(batch), f(batch), f(batch, window), f(batch, window), f(batch, max_draft_len),
                f(batch, max_draft_len), z, z)
 
-  def record(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len) -> "Acceptance":
+  def record(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len) -> Acceptance:
     """One speculative round; rows not counted (done, or without a proposal) keep their statistics."""
     accepted = n_accepted_B.astype(jnp.float32)
     tested = accepted + (n_accepted_B < draft_len)
     ewma = lambda old, new: jnp.where(counted_B, (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new, old)
     window = lambda buf, new: buf.at[:, self.slot].set(jnp.where(counted_B, new, buf[:, self.slot]))
-    position_G = jnp.arange(self.ewma_hit_BxG.shape[1])
-    tested_BxG = counted_B[:, None] & (position_G <= n_accepted_B[:, None]) & (position_G < draft_len)
+    position_K = jnp.arange(self.ewma_hit_BxK.shape[1])
+    tested_BxK = counted_B[:, None] & (position_K <= n_accepted_B[:, None]) & (position_K < draft_len)
     per_position = lambda old, new: jnp.where(counted_B[:, None], (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new,
                                               old)
     return Acceptance(ewma(self.ewma_accepted_B, accepted), ewma(self.ewma_tested_B, tested),
                       window(self.window_accepted_BxW, accepted), window(self.window_tested_BxW, tested),
-                      per_position(self.ewma_hit_BxG, tested_BxG & (position_G < n_accepted_B[:, None])),
-                      per_position(self.ewma_tested_BxG, tested_BxG),
+                      per_position(self.ewma_hit_BxK, tested_BxK & (position_K < n_accepted_B[:, None])),
+                      per_position(self.ewma_tested_BxK, tested_BxK),
                       (self.slot + 1) % self.window_tested_BxW.shape[1], jnp.zeros_like(self.plain_since_spec))
 
-  def after_plain_round(self) -> "Acceptance":
+  def after_plain_round(self) -> Acceptance:
     return self.replace(plain_since_spec=self.plain_since_spec + 1)
 
   @property
@@ -89,8 +78,8 @@ class Acceptance:
     return self.ewma_accepted_B / jnp.where(self.ewma_tested_B > 0, self.ewma_tested_B, jnp.nan)
 
   def position_rates(self, prior_B: jax.Array) -> jax.Array:
-    """[B, G] r_i: the chance proposal i is accepted once tested, shrunk toward `prior_B` (alpha)."""
-    return (self.ewma_hit_BxG + PRIOR_WEIGHT * prior_B[:, None]) / (self.ewma_tested_BxG + PRIOR_WEIGHT)
+    """[B, K] r_i: the chance proposal i is accepted once tested, shrunk toward `prior_B` (alpha)."""
+    return (self.ewma_hit_BxK + PRIOR_WEIGHT * prior_B[:, None]) / (self.ewma_tested_BxK + PRIOR_WEIGHT)
 
   @property
   def window_rate(self) -> jax.Array:
@@ -99,25 +88,28 @@ class Acceptance:
     return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
 
 
-def expected_speedup(rates_BxG: jax.Array, cost_ratio: float, verify_cost: float = 0.0,
+def expected_speedup(rates_BxK: jax.Array, cost_ratio: float, verify_cost: float = 0.0,
                      round_overhead: float = 0.0) -> jax.Array:
-  """[B, G]: the expected speedup of K = 1..G from per-position acceptance rates r_1..r_G, a round costing
-  1 + o + K (c + v) target steps. With every r_i = alpha and o = v = 0 it is Leviathan et al.'s."""
-  tokens_BxG = 1 + jnp.cumsum(jnp.cumprod(jnp.clip(rates_BxG, 0.0, 1.0), axis=-1), axis=-1)
-  ks = jnp.arange(1, rates_BxG.shape[-1] + 1)
-  return tokens_BxG / (1 + round_overhead + ks * (cost_ratio + verify_cost))
+  """[B, K]: the expected speedup of drafting k = 1..K tokens, from per-position acceptance rates r_1..r_K,
+  a round costing 1 + o + k (c + v) target steps. With every r_i = alpha and o = v = 0 it is Leviathan et
+  al.'s."""
+  tokens_BxK = 1 + jnp.cumsum(jnp.cumprod(jnp.clip(rates_BxK, 0.0, 1.0), axis=-1), axis=-1)
+  ks = jnp.arange(1, rates_BxK.shape[-1] + 1)
+  return tokens_BxK / (1 + round_overhead + ks * (cost_ratio + verify_cost))
 
 
 def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(mask_B, x_B, 0.0), -1) / jnp.maximum(jnp.sum(mask_B, -1), 1)
 
 
-def choose(acceptance: Acceptance, active_B: jax.Array, policy: Policy, max_draft_len: int):
-  """Returns (draft_len, probe): draft_len 0 means a plain target step."""
+def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig,
+           max_draft_len: int) -> tuple[jax.Array, jax.Array]:
+  """Returns (draft_len, probe): draft_len 0 means a plain target step. `policy` has its cost model set
+  (`AdaptiveConfig.with_costs`)."""
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)
-  rates_BxG = acceptance.position_rates(jnp.nan_to_num(alpha_B))
-  gain_BxK = expected_speedup(rates_BxG, policy.cost_ratio, policy.verify_cost, policy.round_overhead)
+  rates_BxK = acceptance.position_rates(jnp.nan_to_num(alpha_B))
+  gain_BxK = expected_speedup(rates_BxK, policy.cost_ratio, policy.verify_cost, policy.round_overhead)
   best = 1 + jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))
   best = jnp.where(has_data.any(), best, min(policy.initial_draft_len, max_draft_len))
 

@@ -1,7 +1,7 @@
 """Attention over the KV cache, reading only the blocks in use.
 
-Shape legend: B batch, S new tokens, T cache capacity, H query heads, K kv heads, G = H // K query heads per
-kv head, Dh head dim, X = B*K (the cache's leading axis: batch-major, or heads-major on a mesh).
+Shapes (the legend in `jspec/__init__.py`): the cache's leading axis X = B*J rows (batch-major, or
+heads-major on a mesh), each kv head serving Q = H / J query heads.
 """
 from __future__ import annotations
 
@@ -27,42 +27,42 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   block = min(BLOCK_SIZE, capacity)
   scale = head_dim ** -0.5
 
-  # Queries in the cache's row order: [B, K, G, S] (or [K, B, G, S]) flattened to [X, G*S].
+  # Queries in the cache's row order: [B, J, Q, S] (or [J, B, Q, S]) flattened to [X, Q*S].
   to_rows = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)
-  q_BxKxGxSxDh = q_BxSxHxDh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
-  q_XxGSxDh = (q_BxKxGxSxDh.transpose(*to_rows, 4).reshape(rows, group * seq, head_dim) * scale
+  q_BxJxQxSxDh = q_BxSxHxDh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+  q_XxQSxDh = (q_BxJxQxSxDh.transpose(*to_rows, 4).reshape(rows, group * seq, head_dim) * scale
                ).astype(k_XxTxDh.dtype)
   qpos_BxS = lengths_B[:, None] + jnp.arange(seq)[None, :]
-  qpos_XxGS = jnp.broadcast_to(qpos_BxS[:, None, None, :], (batch, kv_heads, group, seq)
+  qpos_XxQS = jnp.broadcast_to(qpos_BxS[:, None, None, :], (batch, kv_heads, group, seq)
                                ).transpose(*to_rows).reshape(rows, -1)
   num_blocks = (jnp.max(lengths_B) + seq + block - 1) // block
 
   def attend_block(i, carry):
-    max_XxGS, sum_XxGS, acc_XxGSxDh = carry
+    max_XxQS, sum_XxQS, acc_XxQSxDh = carry
     k_blk = lax.dynamic_slice_in_dim(k_XxTxDh, i * block, block, axis=1)
     v_blk = lax.dynamic_slice_in_dim(v_XxTxDh, i * block, block, axis=1)
-    s_XxGSxT = jnp.einsum("xqd,xtd->xqt", q_XxGSxDh, k_blk, preferred_element_type=jnp.float32)
+    s_XxQSxT = jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32)
     kpos_T = i * block + jnp.arange(block)
-    s_XxGSxT = jnp.where(kpos_T[None, None, :] <= qpos_XxGS[:, :, None], s_XxGSxT, -jnp.inf)
-    new_max = jnp.maximum(max_XxGS, s_XxGSxT.max(-1))  # finite: block 0 always holds slot 0
-    p_XxGSxT = jnp.exp(s_XxGSxT - new_max[..., None])
-    rescale = jnp.exp(max_XxGS - new_max)
-    pv = jnp.einsum("xqt,xtd->xqd", p_XxGSxT.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
-    return new_max, sum_XxGS * rescale + p_XxGSxT.sum(-1), acc_XxGSxDh * rescale[..., None] + pv
+    s_XxQSxT = jnp.where(kpos_T[None, None, :] <= qpos_XxQS[:, :, None], s_XxQSxT, -jnp.inf)
+    new_max = jnp.maximum(max_XxQS, s_XxQSxT.max(-1))  # finite: block 0 always holds slot 0
+    p_XxQSxT = jnp.exp(s_XxQSxT - new_max[..., None])
+    rescale = jnp.exp(max_XxQS - new_max)
+    pv = jnp.einsum("xqt,xtd->xqd", p_XxQSxT.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    return new_max, sum_XxQS * rescale + p_XxQSxT.sum(-1), acc_XxQSxDh * rescale[..., None] + pv
 
   init = (jnp.full((rows, group * seq), -jnp.inf, jnp.float32), jnp.zeros((rows, group * seq), jnp.float32),
           jnp.zeros((rows, group * seq, head_dim), jnp.float32))
-  _, sum_XxGS, acc = lax.fori_loop(0, num_blocks, attend_block, init)
-  out = (acc / sum_XxGS[..., None]).reshape(*((kv_heads, batch) if heads_major else (batch, kv_heads)),
-                                            group, seq, head_dim).transpose(*to_rows, 4)  # [B, K, G, S, Dh]
+  _, sum_XxQS, acc = lax.fori_loop(0, num_blocks, attend_block, init)
+  out = (acc / sum_XxQS[..., None]).reshape(*((kv_heads, batch) if heads_major else (batch, kv_heads)),
+                                            group, seq, head_dim).transpose(*to_rows, 4)  # [B, J, Q, S, Dh]
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim).astype(q_BxSxHxDh.dtype)
 
 
-def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array) -> jax.Array:
+def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxJxDh: jax.Array, v_BxSxJxDh: jax.Array) -> jax.Array:
   """Plain causal attention over one full sequence: the reference the cached path is tested against."""
-  group = q_BxSxHxDh.shape[2] // k_BxSxKxDh.shape[2]
-  k = jnp.repeat(k_BxSxKxDh, group, axis=2)
-  v = jnp.repeat(v_BxSxKxDh, group, axis=2)
+  group = q_BxSxHxDh.shape[2] // k_BxSxJxDh.shape[2]
+  k = jnp.repeat(k_BxSxJxDh, group, axis=2)
+  v = jnp.repeat(v_BxSxJxDh, group, axis=2)
   s_BxHxSxS = jnp.einsum("bqhd,bkhd->bhqk", q_BxSxHxDh, k, preferred_element_type=jnp.float32)
   s_BxHxSxS = s_BxHxSxS * q_BxSxHxDh.shape[-1] ** -0.5
   seq = q_BxSxHxDh.shape[1]

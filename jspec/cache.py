@@ -1,11 +1,12 @@
 """The KV cache: an explicit pytree with one length per row.
 
-Layout (per layer): `k, v: [B*K, T, Dh]`, batch-major (row b*K + k), or heads-major (row k*B + b) when a
+Layout (per layer): `k, v: [B*J, T, Dh]`, batch-major (row b*J + j), or heads-major (row j*B + b) when a
 mesh splits kv heads over devices, so that each device's rows are the heads its attention weights produce
-(see jspec/sharding.py). One flat leading axis is what the attention matmul consumes directly. A `[B, T, K, Dh]` or `[B, K, T, Dh]` buffer needs a reshape before the
-matmul, and XLA on the CPU fuses that reshape with the in-loop update and then copies the whole buffer
-every step (see tests/test_hlo.py). Each layer has its own buffer, so no slice of a stacked `[N, ...]`
-buffer stands between the update and the matmul either.
+(see jspec/sharding.py). One flat leading axis is what the attention matmul consumes directly. A
+`[B, T, J, Dh]` or `[B, J, T, Dh]` buffer needs a reshape before the matmul, and XLA on the CPU fuses that
+reshape with the in-loop update and then copies the whole buffer every step (see tests/test_hlo.py). Each
+layer has its own buffer, so no slice of a stacked `[N, ...]` buffer stands between the update and the
+matmul either.
 
 Row b holds its tokens in slots `[0, lengths[b])`. Writing S new tokens puts them at `lengths[b]`;
 anything past a row's length is stale and masked out, so rollback is only a smaller `lengths`.
@@ -26,16 +27,16 @@ BLOCK_SIZE = 128
 
 @flax.struct.dataclass
 class KVCache:
-  k: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
-  v: tuple[jax.Array, ...]  # N x [B*K, T, Dh]
+  k: tuple[jax.Array, ...]  # N x [B*J, T, Dh]
+  v: tuple[jax.Array, ...]  # N x [B*J, T, Dh]
   lengths: jax.Array  # [B] int32: slots in use in each row
-  heads_major: bool = flax.struct.field(pytree_node=False, default=False)  # row k*B + b instead of b*K + k
+  heads_major: bool = flax.struct.field(pytree_node=False, default=False)  # row j*B + b instead of b*J + j
 
-  def row(self, b, k, batch: int, kv_heads: int):
-    """The buffer row of batch row b's kv head k."""
-    return k * batch + b if self.heads_major else b * kv_heads + k
+  def row(self, b, j, batch: int, kv_heads: int):
+    """The buffer row of batch row b's kv head j."""
+    return j * batch + b if self.heads_major else b * kv_heads + j
 
-  def rewind(self, lengths_B: jax.Array) -> "KVCache":
+  def rewind(self, lengths_B: jax.Array) -> KVCache:
     """Rolls each row back (or forward over slots already written) to `lengths_B`. Nothing is copied."""
     return self.replace(lengths=lengths_B.astype(jnp.int32))
 
@@ -59,25 +60,25 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, heads_major: bool
 MAX_UNROLLED_ROWS = 16
 
 
-def write(cache: KVCache, buf: jax.Array, new_BxSxKxDh: jax.Array) -> jax.Array:
+def write(cache: KVCache, buf: jax.Array, new_BxSxJxDh: jax.Array) -> jax.Array:
   """Writes row b's S new entries at slots `[lengths[b], lengths[b] + S)` of one of `cache`'s buffers.
 
   Callers guarantee `lengths + S <= T` (checked before tracing): a dynamic_update_slice would clamp and
   overwrite the last slots, and the scatter drops what falls outside.
   """
-  batch, seq, kv_heads, _ = new_BxSxKxDh.shape
+  batch, seq, kv_heads, _ = new_BxSxJxDh.shape
   lengths_B = cache.lengths
-  new_BxKxSxDh = new_BxSxKxDh.transpose(0, 2, 1, 3).astype(buf.dtype)
-  if batch <= MAX_UNROLLED_ROWS and not cache.heads_major:  # a row's K heads are adjacent: one update
+  new_BxJxSxDh = new_BxSxJxDh.transpose(0, 2, 1, 3).astype(buf.dtype)
+  if batch <= MAX_UNROLLED_ROWS and not cache.heads_major:  # a row's J heads are adjacent: one update
     for b in range(batch):
-      buf = lax.dynamic_update_slice(buf, new_BxKxSxDh[b], (b * kv_heads, lengths_B[b], 0))
+      buf = lax.dynamic_update_slice(buf, new_BxJxSxDh[b], (b * kv_heads, lengths_B[b], 0))
     return buf
   if batch * kv_heads <= MAX_UNROLLED_ROWS:
     for b in range(batch):
-      for k in range(kv_heads):
-        buf = lax.dynamic_update_slice(buf, new_BxKxSxDh[b, k:k + 1], (cache.row(b, k, batch, kv_heads),
+      for j in range(kv_heads):
+        buf = lax.dynamic_update_slice(buf, new_BxJxSxDh[b, j:j + 1], (cache.row(b, j, batch, kv_heads),
                                                                         lengths_B[b], 0))
     return buf
-  rows_BxKx1 = cache.row(jnp.arange(batch)[:, None], jnp.arange(kv_heads), batch, kv_heads)[:, :, None]
+  rows_BxJx1 = cache.row(jnp.arange(batch)[:, None], jnp.arange(kv_heads), batch, kv_heads)[:, :, None]
   slots_Bx1xS = (lengths_B[:, None] + jnp.arange(seq))[:, None, :]
-  return buf.at[rows_BxKx1, slots_Bx1xS].set(new_BxKxSxDh, mode="drop")
+  return buf.at[rows_BxJx1, slots_Bx1xS].set(new_BxJxSxDh, mode="drop")

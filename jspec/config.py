@@ -41,7 +41,7 @@ class ModelConfig:
     return json.dumps(dataclasses.asdict(self), indent=2)
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+  def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
     if unknown:

@@ -6,7 +6,8 @@ so branches that write caches run as while loops of at most one trip: one code p
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp

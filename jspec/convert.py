@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jspec.checkpoint import load, save
+from jspec.checkpoint import save
 from jspec.hf import save_hf
+from jspec.loading import load
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,15 +1,19 @@
-"""The decode loops: autoregressive (the baseline) and speculative, each ONE `lax.while_loop`.
+"""The decode loop, its state, and its steps: autoregressive (the baseline) and speculative.
 
-Invariants at the top of every iteration, for each row b with `n = seq_lens[b]` tokens (prompt + emitted):
-the target cache holds tokens `[0, n-1)`, and token n-1 is fed by the next target forward. What the
-drafter holds is its own business (see `jspec.drafters`); the loop only asks it for proposals and tells it
-what the target saw. Done rows still ride along in the batched forwards, but their lengths no longer move,
-so they write only into slots they already own.
+A `Decoder` bundles what the loop runs (weights, and the static program: configs, drafter, speculation
+settings); `Requests` holds a batch's per-row inputs as arrays; `start` builds the `DecodeState` and runs
+both prefills; `run` is ONE `lax.while_loop` of `step` until every row is done. The steps are public, for
+research code that drives rounds itself.
+
+Invariants at the top of every round, for each row b with `n = seq_lens[b]` tokens (prompt + emitted):
+the target cache holds tokens `[0, n-1)`, and token n-1 is fed by the next target forward, so every round
+looks alike. What the drafter holds is its own business (see `jspec.drafters`); the loop only asks it for
+proposals and tells it what the target saw. Done rows still ride along in the batched forwards, but their
+lengths no longer move, so they write only into slots they already own.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any
 
 import flax.struct
@@ -17,58 +21,60 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import adaptive
+from jspec import adaptive, model
 from jspec import cache as kvcache
-from jspec import model
 from jspec.config import ModelConfig
 from jspec.control import run_if, run_switch
-from jspec.drafters.base import Drafter, DrafterState
+from jspec.drafters.base import Drafter, DrafterState, Proposal
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
+from jspec.settings import AdaptiveConfig, SpecConfig
+from jspec.stats import DecodeStats
 from jspec.verify import verify, verify_greedy, verify_typical
 
-# How many times each loop was traced; tests assert this does not grow across requests of one bucket.
+# How many times the loop was traced; tests assert this does not grow across requests of one bucket.
 trace_counts: collections.Counter = collections.Counter()
 
 
-@dataclasses.dataclass(frozen=True)
-class Speculation:
-  """How the speculative loop runs; static (hashable), part of the compiled shape."""
-  draft_len: int  # K, or K_max when adaptive
-  typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY, opt-in (see verify.verify_typical)
-  adaptive: adaptive.Policy | None = None  # None: every round drafts `draft_len`
-  trace_rounds: int = 0  # record (K, row 0's accepted, window rate, EWMA rate) for this many rounds
+@flax.struct.dataclass
+class Decoder:
+  """What the loop runs: the weights (pytree leaves) and the program (static fields, hashable: part of the
+  compiled shape). Plain decoding when `drafter` is None; otherwise `spec` has the adaptive policy's cost
+  model set (`AdaptiveConfig.with_costs`)."""
+  target_params: model.Params
+  drafter_params: Any = None
+  target_config: ModelConfig = flax.struct.field(pytree_node=False, default=None)
+  drafter: Drafter | None = flax.struct.field(pytree_node=False, default=None)
+  spec: SpecConfig | None = flax.struct.field(pytree_node=False, default=None)
+
+  @property
+  def adaptive(self) -> AdaptiveConfig | None:
+    return None if self.spec is None else self.spec.adaptive
+
+  @property
+  def draft_len(self) -> int:
+    """K (K_max when adaptive); 1 for plain decoding, which keeps statistics of the same shapes."""
+    return self.spec.draft_len if self.drafter is not None else 1
+
+  @property
+  def headroom(self) -> int:
+    """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
+    return 0 if self.drafter is None else max(self.spec.draft_len, getattr(self.drafter, "max_lag", 0))
 
 
 @flax.struct.dataclass
-class DecodeStats:
-  """Counters over active rows. A "round" is one row taking part in one target forward."""
-  rounds: jax.Array
-  target_forwards: jax.Array  # batched target forwards in the loop (prefill not counted)
-  draft_forwards: jax.Array  # drafting steps in the loop (batched)
-  plain_forwards: jax.Array  # target forwards in the speculative loop that verified no draft
-  drafted: jax.Array
-  accepted: jax.Array
-  accepted_at: jax.Array  # [G]: rounds whose draft token at position i was accepted
-  emitted: jax.Array
-  draft_len_counts: jax.Array  # [G+1]: batched rounds that drafted K tokens (K = 0: a plain step)
-  fallback_rounds: jax.Array  # adaptive: plain steps chosen because acceptance fell below the threshold
-  probe_rounds: jax.Array  # adaptive: speculative rounds run during fallback to re-measure
-  acceptance: adaptive.Acceptance  # per-row EWMA and window of the per-token acceptance rate
-  trace_Rx4: jax.Array  # per round: K, row 0's accepted drafts, its window and EWMA rates (Speculation.trace_rounds)
-
-  @classmethod
-  def zeros(cls, batch: int, draft_len: int, window: int = 8, trace_rounds: int = 0) -> "DecodeStats":
-    z = jnp.zeros((), jnp.int32)
-    return cls(rounds=z, target_forwards=z, draft_forwards=z, plain_forwards=z, drafted=z, accepted=z,
-               accepted_at=jnp.zeros((draft_len,), jnp.int32), emitted=z,
-               draft_len_counts=jnp.zeros((draft_len + 1,), jnp.int32), fallback_rounds=z, probe_rounds=z,
-               acceptance=adaptive.Acceptance.zeros(batch, window, draft_len),
-               trace_Rx4=jnp.full((trace_rounds, 4), jnp.nan, jnp.float32))
+class Requests:
+  """A batch's inputs, one row each; arrays, so new values never recompile."""
+  prompts_BxP: jax.Array  # int32, right-padded
+  prompt_lens_B: jax.Array  # int32
+  max_new_tokens_B: jax.Array  # int32
+  sampling: SamplingParams
+  seeds_B: jax.Array  # uint32: row b's PRNG seed
+  eos_B: jax.Array  # int32: the token that ends row b; -1 for none (see `eos_ids`)
 
 
 @flax.struct.dataclass
 class DecodeState:
-  tokens: jax.Array  # [B, L] int32: prompt then emitted tokens; slots past seq_lens are stale
+  tokens: jax.Array  # [B, T] int32: prompt then emitted tokens; slots past seq_lens are stale
   seq_lens: jax.Array  # [B] int32
   prompt_lens: jax.Array  # [B] int32
   max_new_tokens: jax.Array  # [B] int32
@@ -86,32 +92,8 @@ class DecodeState:
     return self.seq_lens - self.prompt_lens
 
 
-def init_state(prompts_BxP: jax.Array, prompt_lens_B: jax.Array, max_new_tokens_B: jax.Array,
-               sampling: SamplingParams, seeds_B: jax.Array, capacity: int, target_config: ModelConfig,
-               drafter: Drafter | None = None, spec: Speculation | None = None,
-               eos_B: jax.Array | None = None) -> DecodeState:
-  """A state holding right-padded prompts and empty caches of `capacity` slots (see `required_capacity`).
-
-  Row b stops at token `eos_B[b]` (-1: never); by default at the target's EOS.
-  """
-  batch, prompt_width = prompts_BxP.shape
-  tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(prompts_BxP)
-  if eos_B is None:
-    eos_B = eos_ids(target_config, batch)
-  return DecodeState(
-      tokens=tokens, seq_lens=prompt_lens_B.astype(jnp.int32), prompt_lens=prompt_lens_B.astype(jnp.int32),
-      max_new_tokens=max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
-      keys=jax.vmap(jax.random.PRNGKey)(seeds_B.astype(jnp.uint32)), sampling=sampling,
-      target_cache=kvcache.init_cache(target_config, batch, capacity),
-      drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
-      stats=DecodeStats.zeros(batch, spec.draft_len if spec else 1,
-                              spec.adaptive.window if spec and spec.adaptive else 8,
-                              spec.trace_rounds if spec else 0),
-      eos_B=jnp.asarray(eos_B, jnp.int32))
-
-
 def eos_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False) -> jax.Array:
-  """Each row's stop token, `init_state`'s `eos_B`: the target's EOS, or -1 (never) when it has none or
+  """Each row's stop token for `Requests.eos_B`: the target's EOS, or -1 (never) when it has none or
   `ignore_eos` is set."""
   return jnp.full((batch,), -1 if ignore_eos or target_config.eos_id is None else target_config.eos_id,
                   jnp.int32)
@@ -119,8 +101,43 @@ def eos_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False) ->
 
 def required_capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
   """Slots a request needs: the padded prompt, every new token, and `headroom` + 1 more for the widest
-  chunk a round writes past the text (a verify of K+1 tokens, or a drafter's catch-up)."""
+  chunk a round writes past the text (`Decoder.headroom`)."""
   return prompt_width + max_new_tokens + headroom + 1
+
+
+def init_state(decoder: Decoder, requests: Requests, capacity: int) -> DecodeState:
+  """A state holding the right-padded prompts and empty caches of `capacity` slots (`required_capacity`,
+  rounded by `jspec.cache.round_capacity`)."""
+  batch, prompt_width = requests.prompts_BxP.shape
+  tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(requests.prompts_BxP)
+  drafter, spec = decoder.drafter, decoder.spec
+  adaptive_config = decoder.adaptive or AdaptiveConfig()
+  return DecodeState(
+      tokens=tokens, seq_lens=requests.prompt_lens_B.astype(jnp.int32),
+      prompt_lens=requests.prompt_lens_B.astype(jnp.int32),
+      max_new_tokens=requests.max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
+      keys=jax.vmap(jax.random.PRNGKey)(requests.seeds_B.astype(jnp.uint32)), sampling=requests.sampling,
+      target_cache=kvcache.init_cache(decoder.target_config, batch, capacity),
+      drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
+      stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
+                              spec.trace_rounds if drafter is not None else 0),
+      eos_B=requests.eos_B.astype(jnp.int32))
+
+
+def start(decoder: Decoder, requests: Requests, capacity: int, layout: Any = None) -> DecodeState:
+  """The state after both prefills, ready for `run` or `step`. With a `jspec.sharding.Layout`, the caches
+  are sharded by its rules."""
+  state = init_state(decoder, requests, capacity)
+  if layout is not None:
+    state = layout.constrain_caches(state)
+  prompts_BxP, lens_B = requests.prompts_BxP, requests.prompt_lens_B
+  hidden_BxPxD, target_cache = model.prefill(decoder.target_params, decoder.target_config, state.target_cache,
+                                             prompts_BxP, lens_B)
+  state = state.replace(target_cache=target_cache.rewind(lens_B - 1))  # the last prompt token is pending
+  if decoder.drafter is not None:
+    state = state.replace(drafter_state=decoder.drafter.prefill(
+        decoder.drafter_params, decoder.target_params, state.drafter_state, prompts_BxP, lens_B, hidden_BxPxD))
+  return state
 
 
 def _split_keys(state: DecodeState, num: int) -> tuple[DecodeState, jax.Array]:
@@ -129,170 +146,142 @@ def _split_keys(state: DecodeState, num: int) -> tuple[DecodeState, jax.Array]:
   return state.replace(keys=keys[:, 0]), jnp.moveaxis(keys[:, 1:], 1, 0)
 
 
-def _gather(tokens_BxL: jax.Array, index_BxC: jax.Array) -> jax.Array:
-  return jnp.take_along_axis(tokens_BxL, index_BxC, axis=1)
+def _gather(tokens_BxT: jax.Array, index_BxS: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(tokens_BxT, index_BxS, axis=1)
 
 
-def _commit(state: DecodeState, candidates_BxC: jax.Array, num_candidates_B: jax.Array) -> tuple[DecodeState, jax.Array]:
+def _commit(state: DecodeState, candidates_BxS: jax.Array,
+            num_candidates_B: jax.Array) -> tuple[DecodeState, jax.Array]:
   """Appends each active row's first `num_candidates` tokens, cut after EOS and at max_new_tokens.
 
   Returns the new state and the number of tokens each row emitted.
   """
-  width = candidates_BxC.shape[1]
-  idx_C = jnp.arange(width)
-  is_eos = (candidates_BxC == state.eos_B[:, None]) & (idx_C < num_candidates_B[:, None])
+  width = candidates_BxS.shape[1]
+  idx_S = jnp.arange(width)
+  is_eos = (candidates_BxS == state.eos_B[:, None]) & (idx_S < num_candidates_B[:, None])
   upto_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, width)
   room = state.max_new_tokens - state.num_emitted
   num_new = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(num_candidates_B, upto_eos), room))
-  cols = jnp.where(idx_C < num_new[:, None], state.seq_lens[:, None] + idx_C, state.tokens.shape[1])
-  rows = jnp.broadcast_to(jnp.arange(candidates_BxC.shape[0])[:, None], cols.shape)
-  tokens = state.tokens.at[rows, cols].set(candidates_BxC, mode="drop")
+  cols = jnp.where(idx_S < num_new[:, None], state.seq_lens[:, None] + idx_S, state.tokens.shape[1])
+  rows = jnp.broadcast_to(jnp.arange(candidates_BxS.shape[0])[:, None], cols.shape)
+  tokens = state.tokens.at[rows, cols].set(candidates_BxS, mode="drop")
   hit_eos = is_eos.any(1) & (upto_eos <= num_new)
   done = state.done | hit_eos | (num_new >= room)
   return state.replace(tokens=tokens, seq_lens=state.seq_lens + num_new, done=done), num_new
 
 
-def _count_round(stats: DecodeStats, active_B: jax.Array, num_new_B: jax.Array) -> DecodeStats:
-  return stats.replace(rounds=stats.rounds + active_B.sum(), target_forwards=stats.target_forwards + 1,
-                       emitted=stats.emitted + num_new_B.sum())
-
-
-def _autoregressive_step(params: model.Params, config: ModelConfig, state: DecodeState) -> DecodeState:
-  state, keys = _split_keys(state, 1)
-  return _target_step(params, config, state, keys[0])
-
-
-def _target_step(params: model.Params, config: ModelConfig, state: DecodeState, keys_Bx2: jax.Array,
-                 drafter: Drafter | None = None, drafter_params=None) -> DecodeState:
+def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> DecodeState:
   """One target forward, one token per row; a drafter, if any, sees the target's features."""
   n = state.seq_lens
-  logits, hidden, cache = model.forward(params, _gather(state.tokens, n[:, None] - 1), n[:, None] - 1,
-                                        state.target_cache, config)
+  logits, hidden, cache = model.forward(decoder.target_params, _gather(state.tokens, n[:, None] - 1),
+                                        n[:, None] - 1, state.target_cache, decoder.target_config)
   token = next_token(keys_Bx2, logits[:, 0], state.sampling)
   active = ~state.done
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
   state = state.replace(target_cache=cache.rewind(state.seq_lens - 1),
-                        stats=_count_round(state.stats, active, num_new))
-  if drafter is not None:
-    state = _observe(drafter, drafter_params, params, state, hidden, n)
+                        stats=state.stats.count_forward(active, num_new))
+  if decoder.drafter is not None:
+    state = _observe(decoder, state, hidden, n)
   return state
 
 
-def _observe(drafter: Drafter, drafter_params, target_params, state: DecodeState, hidden, n_B) -> DecodeState:
+def _observe(decoder: Decoder, state: DecodeState, hidden_BxSxD: jax.Array, n_B: jax.Array) -> DecodeState:
   """Tells the drafter what the target saw in a forward that started at lengths n_B."""
   with jax.named_scope("drafter"):  # names the drafter's ops in the HLO (tests count its collectives)
-    return state.replace(drafter_state=drafter.observe(drafter_params, target_params, state.drafter_state,
-                                                       state.tokens, hidden, n_B, state.seq_lens))
+    return state.replace(drafter_state=decoder.drafter.observe(
+        decoder.drafter_params, decoder.target_params, state.drafter_state, state.tokens, hidden_BxSxD, n_B,
+        state.seq_lens))
 
 
-def _verify_step(target_params: model.Params, target_config: ModelConfig, drafter: Drafter, drafter_params,
-                 state: DecodeState, draft_BxG: jax.Array, draft_logits: jax.Array, has_draft_B: jax.Array,
-                 verify_keys_Bx2: jax.Array, typical_acceptance: bool = False) -> DecodeState:
-  """The target scores the pending token and the G proposals in one forward and keeps an accepted prefix."""
-  draft_len = draft_BxG.shape[1]
+def autoregressive_step(decoder: Decoder, state: DecodeState) -> DecodeState:
+  """One plain decoding step: one target forward, one token per row."""
+  state, keys = _split_keys(state, 1)
+  return _target_step(decoder, state, keys[0])
+
+
+def plain_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> DecodeState:
+  """A target step inside the speculative loop: no proposals; the drafter still sees the target."""
+  state = _target_step(decoder, state, keys_Bx2)
+  return state.replace(stats=state.stats.count_plain())
+
+
+def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_Bx2: jax.Array) -> DecodeState:
+  """The target scores the pending token and the K proposals in one forward, keeps an accepted prefix and
+  one more token, and tells the drafter what it saw."""
+  draft_BxK = proposal.tokens_BxK
+  draft_len = draft_BxK.shape[1]
   n = state.seq_lens
-  chunk = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), draft_BxG], axis=1)
-  positions = n[:, None] - 1 + jnp.arange(draft_len + 1)
-  logits, hidden, target_cache = model.forward(target_params, chunk, positions, state.target_cache,
-                                               target_config)
-  if typical_acceptance:
-    n_accepted, token = verify_typical(verify_keys_Bx2, draft_BxG, probabilities(logits, state.sampling))
+  chunk_BxK1 = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), draft_BxK], axis=1)
+  positions_BxK1 = n[:, None] - 1 + jnp.arange(draft_len + 1)
+  logits_BxK1xV, hidden, target_cache = model.forward(decoder.target_params, chunk_BxK1, positions_BxK1,
+                                                      state.target_cache, decoder.target_config)
+  if decoder.spec.typical_acceptance:
+    n_accepted, token = verify_typical(keys_Bx2, draft_BxK, probabilities(logits_BxK1xV, state.sampling))
   else:  # q and p go through the same transform; an all-greedy batch needs only argmaxes.
     n_accepted, token = lax.cond(
-        is_greedy(state.sampling), lambda: verify_greedy(draft_BxG, logits),
-        lambda: verify(verify_keys_Bx2, draft_BxG, probabilities(draft_logits, state.sampling),
-                       probabilities(logits, state.sampling)))
-  if getattr(drafter, "can_skip_rounds", False):
+        is_greedy(state.sampling), lambda: verify_greedy(draft_BxK, logits_BxK1xV),
+        lambda: verify(keys_Bx2, draft_BxK, probabilities(proposal.logits_BxKxV, state.sampling),
+                       probabilities(logits_BxK1xV, state.sampling)))
+  has_draft = proposal.has_draft_B
+  if decoder.drafter.can_skip_rounds:
     # A row without a proposal draws exactly what a plain target step would, with the same key, so its
     # tokens do not depend on whether another row's proposal turned this round into a verify.
-    n_accepted = jnp.where(has_draft_B, n_accepted, 0)
-    token = jnp.where(has_draft_B, token, next_token(verify_keys_Bx2, logits[:, 0], state.sampling))
+    n_accepted = jnp.where(has_draft, n_accepted, 0)
+    token = jnp.where(has_draft, token, next_token(keys_Bx2, logits_BxK1xV[:, 0], state.sampling))
 
-  candidates = jnp.concatenate([draft_BxG, token[:, None]], axis=1)
-  candidates = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], token[:, None], candidates)
+  candidates_BxK1 = jnp.concatenate([draft_BxK, token[:, None]], axis=1)
+  candidates_BxK1 = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], token[:, None], candidates_BxK1)
   active = ~state.done
-  state, num_new = _commit(state, candidates, n_accepted + 1)
-  new_n = state.seq_lens
-
-  counted = active & has_draft_B
-  st = _count_round(state.stats, active, num_new)
-  stats = st.replace(
-      draft_forwards=st.draft_forwards + draft_len, drafted=st.drafted + draft_len * counted.sum(),
-      accepted=st.accepted + jnp.where(counted, n_accepted, 0).sum(),
-      accepted_at=st.accepted_at.at[:draft_len].add(
-          jnp.sum(counted[:, None] & (jnp.arange(draft_len) < n_accepted[:, None]), 0)),
-      acceptance=st.acceptance.record(counted, n_accepted, draft_len))
-  state = state.replace(target_cache=target_cache.rewind(new_n - 1), stats=stats)
-  return _observe(drafter, drafter_params, target_params, state, hidden, n)
+  state, num_new = _commit(state, candidates_BxK1, n_accepted + 1)
+  stats = state.stats.count_forward(active, num_new).count_verify(active & has_draft, n_accepted, draft_len)
+  state = state.replace(target_cache=target_cache.rewind(state.seq_lens - 1), stats=stats)
+  return _observe(decoder, state, hidden, n)
 
 
-def _plain_step(target_params, drafter_params, target_config, drafter, state, keys_Bx2) -> DecodeState:
-  """A target step inside the speculative loop: no proposals; the drafter still sees the target."""
-  s = _target_step(target_params, target_config, state, keys_Bx2, drafter, drafter_params)
-  return s.replace(stats=s.stats.replace(plain_forwards=s.stats.plain_forwards + 1,
-                                         acceptance=s.stats.acceptance.after_plain_round()))
-
-
-def _draft_and_verify(target_params, drafter_params, target_config, drafter, spec: Speculation, draft_len: int,
-                      state: DecodeState, keys) -> DecodeState:
+def _draft_and_verify(decoder: Decoder, draft_len: int, state: DecodeState, keys_K1xBx2: jax.Array) -> DecodeState:
+  """A round of `draft_len` proposals; `keys` has spec.draft_len + 1 keys, the last one verify's."""
   with jax.named_scope("drafter"):
-    drafter_state, draft_BxG, draft_logits, has_draft = drafter.propose(
-        drafter_params, target_params, state.drafter_state, state.tokens, state.seq_lens, keys[:draft_len],
-        state.sampling)
+    drafter_state, proposal = decoder.drafter.propose(
+        decoder.drafter_params, decoder.target_params, state.drafter_state, state.tokens, state.seq_lens,
+        keys_K1xBx2[:draft_len], state.sampling)
   if state.layout is not None:
-    draft_logits = state.layout.pin_draft_logits(draft_logits)
+    proposal = proposal.replace(logits_BxKxV=state.layout.pin_draft_logits(proposal.logits_BxKxV))
   state = state.replace(drafter_state=drafter_state)
-  verify_keys = keys[spec.draft_len]
-  verify_step = lambda s: _verify_step(target_params, target_config, drafter, drafter_params, s, draft_BxG,
-                                       draft_logits, has_draft, verify_keys, spec.typical_acceptance)
-  if not getattr(drafter, "can_skip_rounds", False):
-    return verify_step(state)
-  has_any = jnp.any(has_draft & ~state.done)
-  state = run_if(has_any, verify_step, state)
-  return run_if(~has_any, lambda s: _plain_step(target_params, drafter_params, target_config, drafter, s,
-                                                verify_keys), state)
+  verify_keys = keys_K1xBx2[-1]
+  if not decoder.drafter.can_skip_rounds:
+    return verify_step(decoder, state, proposal, verify_keys)
+  has_any = jnp.any(proposal.has_draft_B & ~state.done)
+  state = run_if(has_any, lambda s: verify_step(decoder, s, proposal, verify_keys), state)
+  return run_if(~has_any, lambda s: plain_step(decoder, s, verify_keys), state)
 
 
-def _speculative_step(target_params: model.Params, drafter_params, target_config: ModelConfig,
-                      drafter: Drafter, spec: Speculation, state: DecodeState) -> DecodeState:
+def speculative_step(decoder: Decoder, state: DecodeState) -> DecodeState:
+  """One speculative round: propose, verify and commit (or, adaptively, a plain step)."""
+  spec = decoder.spec
   state, keys = _split_keys(state, spec.draft_len + 1)
-  count = lambda s, k: s.replace(stats=s.stats.replace(draft_len_counts=s.stats.draft_len_counts.at[k].add(1)))
   if spec.adaptive is None:
-    return count(_draft_and_verify(target_params, drafter_params, target_config, drafter, spec, spec.draft_len,
-                                   state, keys), spec.draft_len)
+    state = _draft_and_verify(decoder, spec.draft_len, state, keys)
+    return state.replace(stats=state.stats.count_schedule(spec.draft_len))
   # One branch per K (and a plain step for K = 0), chosen at run time: nothing recompiles as K changes.
   draft_len, probe = adaptive.choose(state.stats.acceptance, ~state.done, spec.adaptive, spec.draft_len)
-  branches = [lambda s: _plain_step(target_params, drafter_params, target_config, drafter, s, keys[spec.draft_len])]
-  branches += [lambda s, k=k: _draft_and_verify(target_params, drafter_params, target_config, drafter, spec, k, s,
-                                                keys) for k in range(1, spec.draft_len + 1)]
+  branches = [lambda s: plain_step(decoder, s, keys[-1])]
+  branches += [lambda s, k=k: _draft_and_verify(decoder, k, s, keys) for k in range(1, spec.draft_len + 1)]
   before = state.seq_lens[0]
-  state = count(run_switch(draft_len, branches, state), draft_len)
-  st = state.stats
+  state = run_switch(draft_len, branches, state)
+  stats = state.stats.count_schedule(draft_len, probe)
   if spec.trace_rounds:
-    acc = st.acceptance
-    row = jnp.stack([draft_len, jnp.where(draft_len > 0, state.seq_lens[0] - before - 1, jnp.nan),
-                     acc.window_rate[0], acc.ewma_rate[0]]).astype(jnp.float32)
-    st = st.replace(trace_Rx4=st.trace_Rx4.at[st.target_forwards - 1].set(row, mode="drop"))
-  return state.replace(stats=st.replace(fallback_rounds=st.fallback_rounds + (draft_len == 0),
-                                        probe_rounds=st.probe_rounds + probe))
+    stats = stats.record_trace(draft_len, state.seq_lens[0] - before - 1)
+  return state.replace(stats=stats)
 
 
-def _loop(step, state: DecodeState) -> DecodeState:
-  return lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+def step(decoder: Decoder, state: DecodeState) -> DecodeState:
+  """One round: a speculative one when the decoder has a drafter, else a plain step."""
+  return autoregressive_step(decoder, state) if decoder.drafter is None else speculative_step(decoder, state)
 
 
-def autoregressive(params: model.Params, config: ModelConfig, state: DecodeState) -> DecodeState:
-  """Plain decoding until every row is done: one target forward per token. Pure; jit it yourself or use
-  `jspec.api`."""
-  trace_counts["autoregressive"] += 1
-  params = model.with_head(params)
-  return _loop(lambda s: _autoregressive_step(params, config, s), state)
-
-
-def speculative(target_params: model.Params, drafter_params, target_config: ModelConfig, drafter: Drafter,
-                spec: Speculation, state: DecodeState) -> DecodeState:
-  """Speculative decoding with any drafter until every row is done. Pure, like `autoregressive`."""
-  trace_counts["speculative"] += 1
-  target_params = model.with_head(target_params)
-  return _loop(lambda s: _speculative_step(target_params, drafter_params, target_config, drafter, spec, s),
-               state)
+def run(decoder: Decoder, state: DecodeState) -> DecodeState:
+  """Decodes until every row is done, in one `lax.while_loop`. Pure: jit it yourself or use
+  `jspec.engine`."""
+  trace_counts["speculative" if decoder.drafter is not None else "autoregressive"] += 1
+  decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
+  return lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(decoder, s), state)

@@ -1,6 +1,7 @@
-"""Jitted entry points (prefill + loop in one executable) and a compile cache keyed by shapes.
+"""Jitted entry points (prefill + loop in one executable), a compile cache keyed by shapes, and placement
+on a device mesh.
 
-Executables are compiled ahead of time once per (configs, drafter, speculation, batch, prompt bucket, capacity),
+Executables are compiled ahead of time once per (decoder program, batch, prompt bucket, capacity, layout),
 so requests that differ only in prompt text, seeds or sampling values reuse them, and compile time can be
 reported apart from decode time.
 """
@@ -8,63 +9,44 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jspec import decode, model, sharding
-from jspec.config import ModelConfig
-from jspec.drafters import Drafter
+from jspec import decode, sharding
+from jspec.decode import Decoder, Requests
 from jspec.sampling import SamplingParams
+from jspec.stats import DecodeStats
+
+STATIC = ("capacity", "layout")
 
 
-STATIC = ("target_config", "drafter", "spec", "capacity", "layout")
-
-
-def _run(target_params: model.Params, drafter_params: Any, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
-        max_new_tokens_B: jax.Array, sampling: SamplingParams, seeds_B: jax.Array, eos_B: jax.Array, *,
-        target_config: ModelConfig, drafter: Drafter | None, spec: decode.Speculation | None,
-        capacity: int, layout: sharding.Layout | None = None) -> tuple[jax.Array, jax.Array, decode.DecodeStats]:
-  """Prefills and decodes a batch; autoregressive when `drafter` is None.
-
-  Row b stops at token `eos_B[b]` (-1: never). Returns `(tokens [B,L], seq_lens [B], stats)`; row b's new
-  tokens are `tokens[b, prompt_len:seq_len]`.
-  With a `layout`, the caches are sharded by its rules (see `lower` for the arguments and outputs).
-  """
-  state = decode.init_state(prompts_BxP, prompt_lens_B, max_new_tokens_B, sampling, seeds_B, capacity,
-                            target_config, drafter, spec, eos_B)
-  if layout is not None:
-    state = layout.constrain_caches(state)
-  hidden, target_cache = model.prefill(target_params, target_config, state.target_cache, prompts_BxP,
-                                       prompt_lens_B)
-  state = state.replace(target_cache=target_cache)
-  if drafter is None:
-    state = decode.autoregressive(target_params, target_config, state)
-  else:
-    state = state.replace(drafter_state=drafter.prefill(drafter_params, target_params, state.drafter_state,
-                                                        prompts_BxP, prompt_lens_B, hidden))
-    state = decode.speculative(target_params, drafter_params, target_config, drafter, spec, state)
+def _run(decoder: Decoder, requests: Requests, *, capacity: int,
+         layout: sharding.Layout | None = None) -> tuple[jax.Array, jax.Array, DecodeStats]:
+  """Prefills and decodes a batch. Returns `(tokens [B,T], seq_lens [B], stats)`; row b's new tokens are
+  `tokens[b, prompt_len:seq_len]`."""
+  state = decode.run(decoder, decode.start(decoder, requests, capacity, layout))
   return state.tokens, state.seq_lens, state.stats
 
 
 run = jax.jit(_run, static_argnames=STATIC)
 
 
-def lower(args: tuple, static: dict) -> Any:
-  """`run` lowered for these arguments. On a mesh (`static["layout"]`) its shardings are explicit, as
+def lower(decoder: Decoder, requests: Requests, capacity: int, layout: sharding.Layout | None = None) -> Any:
+  """`run` lowered for these arguments. On a mesh (`layout`) its shardings are explicit, as
   `jax.jit(in_shardings=..., out_shardings=...)` (what pjit became): each argument keeps the sharding it
-  was placed with and the outputs are replicated. The decode state lives only inside the executable (the
-  while loop updates it in place), so no state buffer crosses the boundary to donate."""
-  layout = static.get("layout")
+  was placed with (`place_on_mesh`) and the outputs are replicated. The decode state lives only inside the
+  executable (the while loop updates it in place), so no state buffer crosses the boundary to donate."""
   if layout is None:
-    return run.lower(*args, **static)
+    return run.lower(decoder, requests, capacity=capacity)
   replicated = NamedSharding(layout.mesh, PartitionSpec())
-  explicit = jax.jit(functools.partial(_run, **static), out_shardings=replicated,
-                     in_shardings=jax.tree.map(lambda x: x.sharding, args))
-  return explicit.lower(*args)
+  explicit = jax.jit(functools.partial(_run, capacity=capacity, layout=layout), out_shardings=replicated,
+                     in_shardings=jax.tree.map(lambda x: x.sharding, (decoder, requests)))
+  return explicit.lower(decoder, requests)
 
 
 # Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.
@@ -72,22 +54,28 @@ MAX_EXECUTABLES = 32
 _compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 
-def compiled_run(args: tuple, static: dict) -> tuple[Any, float]:
-  """The executable for these argument shapes, and the seconds spent compiling it now (0 if cached)."""
-  key = (tuple(sorted(static.items(), key=lambda kv: kv[0])),
-         jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+def compiled_run(decoder: Decoder, requests: Requests, capacity: int,
+                 layout: sharding.Layout | None = None) -> tuple[Any, float]:
+  """The executable for these argument shapes (call it with `(decoder, requests)`), and the seconds spent
+  compiling it now (0 if cached)."""
+  args = (decoder, requests)
+  key = (capacity, layout, jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
   if key in _compiled:
     _compiled.move_to_end(key)
     return _compiled[key], 0.0
   start = time.perf_counter()
-  _compiled[key] = lower(args, static).compile()
+  _compiled[key] = lower(decoder, requests, capacity, layout).compile()
   if len(_compiled) > MAX_EXECUTABLES:
     _compiled.popitem(last=False)
   return _compiled[key], time.perf_counter() - start
 
 
-def clear_cache() -> None:
+def release_executables() -> None:
+  """Frees every compiled executable. XLA:CPU maps each one's code, and a few hundred compiles in one
+  process run out of memory mappings ("LLVM compilation error: Cannot allocate memory")."""
   _compiled.clear()
+  jax.clear_caches()
+  gc.collect()
 
 
 def prompt_bucket(length: int) -> int:
@@ -100,6 +88,27 @@ def prompt_bucket(length: int) -> int:
 
 
 def as_sampling(temperature, top_k, top_p, batch: int) -> SamplingParams:
+  """Per-row sampling arrays from scalars (or per-row sequences)."""
   full = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
   return SamplingParams(temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32),
                         top_p=full(top_p, jnp.float32))
+
+
+def place_on_mesh(mesh: Mesh, decoder: Decoder, requests: Requests,
+                  shard_draft: bool = True) -> tuple[Decoder, Requests, sharding.Layout]:
+  """Places a run's arguments on the mesh by the rules of `jspec.sharding` (the drafter's weights and
+  cache too, unless `shard_draft=False` replicates them) and chooses the cache layout."""
+  batch = requests.prompts_BxP.shape[0]
+  target_params, drafter_params = decoder.target_params, decoder.drafter_params
+  draft_config = getattr(decoder.drafter, "config", None)
+  if not sharding.is_placed(target_params, mesh):
+    target_params = sharding.place(target_params, mesh,
+                                   sharding.param_specs(target_params, decoder.target_config, mesh))
+  if drafter_params is not None and not sharding.is_placed(drafter_params, mesh):
+    specs = sharding.param_specs(drafter_params, draft_config, mesh) if shard_draft else None
+    drafter_params = sharding.place(drafter_params, mesh, specs)
+  draft_cache = sharding.cache_layout(batch, draft_config if shard_draft else None, mesh)
+  layout = sharding.Layout(mesh, sharding.cache_layout(batch, decoder.target_config, mesh), draft_cache,
+                           draft_replicated=not shard_draft)
+  decoder = decoder.replace(target_params=target_params, drafter_params=drafter_params)
+  return decoder, sharding.place(requests, mesh), layout

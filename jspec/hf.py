@@ -13,11 +13,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jspec.checkpoint import Model
 from jspec.config import ModelConfig
+from jspec.model import Model
 from jspec.tokenizer import load_tokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+# jspec's name for each per-layer weight -> the Hugging Face module that holds it (`model.layers.{i}.`).
+LAYER_NAMES = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj",
+                   wv="self_attn.v_proj", wo="self_attn.o_proj", mlp_norm="post_attention_layernorm",
+                   w_gate="mlp.gate_proj", w_up="mlp.up_proj", w_down="mlp.down_proj")
+BIAS_NAMES = dict(bq="self_attn.q_proj", bk="self_attn.k_proj", bv="self_attn.v_proj")
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 
 
@@ -53,7 +58,8 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
       vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
       n_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
-      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       qkv_bias=model_type == "qwen2",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), max_seq_len=context,
       bos_id=hf.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos, dtype=dtype)
@@ -118,15 +124,11 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32") -> Model:
   layers = []
   for i in range(config.n_layers):
     pre = f"model.layers.{i}."
-    layer = dict(attn_norm=take(pre + "input_layernorm.weight"),
-                 wq=take(pre + "self_attn.q_proj.weight", True), wk=take(pre + "self_attn.k_proj.weight", True),
-                 wv=take(pre + "self_attn.v_proj.weight", True), wo=take(pre + "self_attn.o_proj.weight", True),
-                 mlp_norm=take(pre + "post_attention_layernorm.weight"),
-                 w_gate=take(pre + "mlp.gate_proj.weight", True), w_up=take(pre + "mlp.up_proj.weight", True),
-                 w_down=take(pre + "mlp.down_proj.weight", True))
+    # HF stores matrices as [out, in]; jspec as [in, out].
+    layer = {ours: take(f"{pre}{theirs}.weight", transpose=not ours.endswith("norm"))
+             for ours, theirs in LAYER_NAMES.items()}
     if config.qkv_bias:
-      layer.update(bq=take(pre + "self_attn.q_proj.bias"), bk=take(pre + "self_attn.k_proj.bias"),
-                   bv=take(pre + "self_attn.v_proj.bias"))
+      layer.update({ours: take(f"{pre}{theirs}.bias") for ours, theirs in BIAS_NAMES.items()})
     layers.append(layer)
   params = dict(embed=take("model.embed_tokens.weight"), layers=layers, final_norm=take("model.norm.weight"))
   if not config.tie_embeddings:
@@ -139,7 +141,7 @@ def save_hf(m: Model, path: str | pathlib.Path) -> None:
   `tokenizer.json`) that `transformers.AutoModelForCausalLM.from_pretrained` loads, in float32."""
   c = m.config
   if c.qkv_bias:
-    raise ValueError("--to-hf writes Llama, which has no q/k/v bias; this model has one")
+    raise ValueError("a Hugging Face export is a Llama directory, which has no q/k/v bias; this model has one")
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
@@ -151,11 +153,8 @@ def save_hf(m: Model, path: str | pathlib.Path) -> None:
   (path / "config.json").write_text(json.dumps(hf, indent=2))
   f32 = lambda x: np.asarray(x, np.float32)
   tensors = {"model.embed_tokens.weight": f32(m.params["embed"]), "model.norm.weight": f32(m.params["final_norm"])}
-  names = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj",
-               wo="self_attn.o_proj", mlp_norm="post_attention_layernorm", w_gate="mlp.gate_proj",
-               w_up="mlp.up_proj", w_down="mlp.down_proj")
   for i, layer in enumerate(m.params["layers"]):
-    for ours, theirs in names.items():
+    for ours, theirs in LAYER_NAMES.items():
       x = f32(layer[ours])
       tensors[f"model.layers.{i}.{theirs}.weight"] = x if x.ndim == 1 else x.T  # HF stores [out, in]
   if not c.tie_embeddings:

@@ -1,41 +1,55 @@
-"""The Llama-family transformer as pure functions of a parameter pytree.
-
-Shape legend: B batch, S new tokens, T cache capacity, N layers, D model width, H query heads, K kv heads,
-Dh head dim, F MLP width, V vocab.
+"""The Llama-family transformer as pure functions of a parameter pytree, and `Model`, a loaded one.
 
 Parameters are a plain dict: `embed [V,D]`, `final_norm [D]`, optional `lm_head [D,V]`, and `layers`, a list
-of N dicts (`attn_norm, wq [D,H*Dh], wk, wv [D,K*Dh], (bq, bk, bv), wo [H*Dh,D], mlp_norm, w_gate, w_up
+of N dicts (`attn_norm, wq [D,H*Dh], wk, wv [D,J*Dh], (bq, bk, bv), wo [H*Dh,D], mlp_norm, w_gate, w_up
 [D,F], w_down [F,D]`). A list rather than stacked arrays keeps each layer's weights and cache their own
-buffers inside the decode loop.
+buffers inside the decode loop. (Shape letters: the legend in `jspec/__init__.py`.)
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from jspec import attention, cache as kvcache
+from jspec import attention
+from jspec import cache as kvcache
 from jspec.config import ModelConfig
+from jspec.settings import CostModel
+
+if TYPE_CHECKING:
+  from tokenizers import Tokenizer
 
 Params = dict
 
 
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A model's shape, its weights, its tokenizer, and the cost models measured with it as a drafter (by
+  drafter kind; a target's own checkpoint holds n-gram's, the drafter that reads only the context)."""
+  config: ModelConfig
+  params: Params
+  tokenizer: Tokenizer
+  cost_models: dict[str, CostModel] = dataclasses.field(default_factory=dict)
+
+
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
   """Random parameters (scaled normal), for tests and for training from scratch."""
-  d, h, k, dh, f, v = (config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_dim,
+  d, h, j, dh, f, v = (config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_dim,
                        config.vocab_size)
   dtype = config.jnp_dtype
   keys = iter(jax.random.split(key, 12 * config.n_layers + 2))
   dense = lambda shape, fan_in: (jax.random.normal(next(keys), shape) * fan_in ** -0.5).astype(dtype)
   layers = []
   for _ in range(config.n_layers):
-    layer = dict(attn_norm=jnp.ones((d,), dtype), wq=dense((d, h * dh), d), wk=dense((d, k * dh), d),
-                 wv=dense((d, k * dh), d), wo=dense((h * dh, d), h * dh) / (2 * config.n_layers) ** 0.5,
+    layer = dict(attn_norm=jnp.ones((d,), dtype), wq=dense((d, h * dh), d), wk=dense((d, j * dh), d),
+                 wv=dense((d, j * dh), d), wo=dense((h * dh, d), h * dh) / (2 * config.n_layers) ** 0.5,
                  mlp_norm=jnp.ones((d,), dtype), w_gate=dense((d, f), d), w_up=dense((d, f), d),
                  w_down=dense((f, d), f) / (2 * config.n_layers) ** 0.5)
     if config.qkv_bias:
-      layer.update(bq=dense((h * dh,), 1) * 0.1, bk=dense((k * dh,), 1) * 0.1, bv=dense((k * dh,), 1) * 0.1)
+      layer.update(bq=dense((h * dh,), 1) * 0.1, bk=dense((j * dh,), 1) * 0.1, bv=dense((j * dh,), 1) * 0.1)
     layers.append(layer)
   params = dict(embed=dense((v, d), d), layers=layers, final_norm=jnp.ones((d,), dtype))
   if not config.tie_embeddings:
@@ -138,13 +152,10 @@ def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> 
 
 def prefill(params: Params, config: ModelConfig, cache: kvcache.KVCache, prompts_BxP: jax.Array,
             prompt_lens_B: jax.Array) -> tuple[jax.Array, kvcache.KVCache]:
-  """Runs right-padded prompts through the model, batched, and keeps each row's first `len - 1` tokens.
-
-  The last prompt token stays pending: the decode loop's first forward feeds it, so every round looks
-  alike. Returns the hidden states [B,P,D] (head drafters read them) and the cache.
-  """
+  """Runs right-padded prompts through the model from an empty cache, batched; the cache then holds each
+  row's `prompt_lens` tokens. Returns the hidden states [B,P,D] (head drafters read them) and the cache."""
   batch, width = prompts_BxP.shape
   positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
   _, hidden, cache = forward(params, prompts_BxP, positions, cache.rewind(jnp.zeros_like(cache.lengths)),
                              config)
-  return hidden, cache.rewind(prompt_lens_B - 1)
+  return hidden, cache.rewind(prompt_lens_B)

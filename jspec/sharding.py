@@ -5,12 +5,12 @@ each logical name to a mesh axis. A dimension is sharded only when the mesh axis
 (whole heads for attention weights, whole rows for the vocab, ...), and is replicated otherwise, so any mesh
 runs any model correctly, and the common ones without waste.
 
-Caches: a layer's `[B*K, T, Dh]` buffer (one flat leading axis, the layout the CPU needs, see
-jspec/cache.py) shards kv heads on "model" and batch rows on "data", each where it divides (K and H by
-model, B by data), and is replicated otherwise. When kv heads split, the rows are heads-major (row k*B + b)
-and the leading axis shards over ("model", "data"): device (d, m) holds heads [m K/M, (m+1) K/M) of batch
+Caches: a layer's `[B*J, T, Dh]` buffer (one flat leading axis, the layout the CPU needs, see
+jspec/cache.py) shards kv heads on "model" and batch rows on "data", each where it divides (J and H by
+model, B by data), and is replicated otherwise. When kv heads split, the rows are heads-major (row j*B + b)
+and the leading axis shards over ("model", "data"): device (d, m) holds heads [m J/M, (m+1) J/M) of batch
 rows [d B/D, (d+1) B/D), exactly the heads its attention weights produce, so attention needs no
-communication. Otherwise the rows stay batch-major (row b*K + k) and shard over "data" alone.
+communication. Otherwise the rows stay batch-major (row b*J + j) and shard over "data" alone.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jspec import model
+from jspec.cache import KVCache
 from jspec.config import ModelConfig
 
 AXES = ("data", "model")
@@ -30,7 +32,7 @@ RULES = (
     ("batch", "data"),
     ("vocab", "model"),
     ("heads", "model"),     # query heads (H*Dh columns, split between heads)
-    ("kv_heads", "model"),  # key/value heads (K*Dh columns)
+    ("kv_heads", "model"),  # key/value heads (J*Dh columns)
     ("mlp", "model"),
     ("embed", None),        # the residual stream stays replicated: one all-reduce after wo and w_down
     ("head_dim", None),
@@ -94,7 +96,7 @@ def param_specs(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-  """How one model's `[B*K, T, Dh]` cache buffers lie on a mesh: the row order and the spec."""
+  """How one model's `[B*J, T, Dh]` cache buffers lie on a mesh: the row order and the spec."""
   spec: PartitionSpec
   heads_major: bool = False
 
@@ -135,8 +137,6 @@ class Layout:
   def constrain_caches(self, state):
     """Gives the target's and the drafter's fresh (empty) KV caches their row order and pins their buffers
     to their specs; the loop keeps them there."""
-    from jspec.cache import KVCache
-
     def pin(layout: CacheLayout):
       constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, layout.spec))
       return lambda c: c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)),
@@ -174,7 +174,6 @@ def place(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
 
 def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh) -> Any:
   """Random parameters created directly in their shards: eval_shape -> specs -> jit(out_shardings)."""
-  from jspec import model
   abstract = jax.eval_shape(lambda k: model.init_params(config, k), key)
   shardings = named(mesh, param_specs(abstract, config, mesh))
   return jax.jit(lambda k: model.init_params(config, k), out_shardings=shardings)(key)

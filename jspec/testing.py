@@ -8,9 +8,9 @@ import re
 import jax
 import numpy as np
 
-from jspec import model
-from jspec.checkpoint import Model
+from jspec import drafters, model
 from jspec.config import ModelConfig
+from jspec.model import Model
 from jspec.tokenizer import byte_tokenizer
 
 TINY = ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
@@ -33,9 +33,8 @@ def perturbed(m: Model, noise: float, seed: int = 1) -> Model:
   return dataclasses.replace(m, params=jax.tree.unflatten(treedef, noisy))
 
 
-def random_heads(drafter, seed: int = 0, scale: float = 0.5):
+def random_heads(drafter, seed: int = 0, scale: float = 0.5) -> drafters.Heads:
   """Medusa or EAGLE heads with random weights: `scale` times a unit normal on top of their init."""
-  from jspec import drafters
   params = drafter.init_params(jax.random.PRNGKey(seed))
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
@@ -70,14 +69,14 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
 def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
   """Instructions in any while-loop body that copy, transpose or rewrite a whole cache-sized buffer.
 
-  The regression issue 8 fixed: a loop that writes the cache and attends over it paid a full copy of the
-  buffer every step. In-place updates appear as dynamic-update-slice fusions and are allowed.
+  A loop that writes the cache and attends over it can pay a full copy of the buffer every step (see
+  jspec/cache.py). In-place updates appear as dynamic-update-slice fusions and are allowed.
   """
   computations = _computations(hlo_text)
   bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
 
   def in_place_update(fusion: str) -> bool:
-    root = next((l for l in computations.get(fusion, []) if l.lstrip().startswith("ROOT")), "")
+    root = next((x for x in computations.get(fusion, []) if x.lstrip().startswith("ROOT")), "")
     return " dynamic-update-slice(%param" in root or " scatter(%param" in root
 
   bad = []

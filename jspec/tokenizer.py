@@ -5,9 +5,9 @@ Both kinds are byte-level, so decoding round-trips any text exactly, whitespace 
 """
 from __future__ import annotations
 
+import functools
 import pathlib
-
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -50,3 +50,9 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
 
 def decode(tok: Tokenizer, ids: list[int]) -> str:
   return tok.decode(ids, skip_special_tokens=True)
+
+
+@functools.lru_cache(maxsize=16)  # by identity: a loaded pair is checked once, not on every request (~4 ms)
+def same_vocab(a: Tokenizer, b: Tokenizer) -> bool:
+  """Whether two tokenizers map the same strings to the same ids."""
+  return a.get_vocab() == b.get_vocab()

@@ -15,7 +15,8 @@ import dataclasses
 import json
 import pathlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +25,10 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from jspec import checkpoint, data, drafters, model
+from jspec import checkpoint, data, drafters, losses, model
 from jspec.config import ModelConfig
-from jspec.tokenizer import EOS_TOKEN, load_tokenizer
+from jspec.loading import load
+from jspec.tokenizer import EOS_TOKEN, load_tokenizer, same_vocab
 
 
 def loss_fn(params, batch_BxS1, config: ModelConfig, teacher=None, ce_weight: float = 1.0):
@@ -38,9 +40,7 @@ def loss_fn(params, batch_BxS1, config: ModelConfig, teacher=None, ce_weight: fl
   if teacher is None:
     return ce, ce
   t_params, t_config = teacher
-  t_logp = jax.nn.log_softmax(model.forward_full(t_params, inputs, t_config)[0], axis=-1)
-  kl = jnp.mean(jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1))
-  return kl + ce_weight * ce, ce
+  return losses.kl(model.forward_full(t_params, inputs, t_config)[0], logits) + ce_weight * ce, ce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,8 @@ def model_task(cfg: dict, tok) -> Task:
                                   "eos_id": tok.token_to_id(EOS_TOKEN)})
   teacher = None
   if cfg.get("teacher"):
-    t = checkpoint.load(cfg["teacher"])
-    if t.tokenizer.get_vocab() != tok.get_vocab():
+    t = load(cfg["teacher"])
+    if not same_vocab(t.tokenizer, tok):
       raise SystemExit("the teacher's tokenizer differs from the data's")
     teacher = (t.params, t.config)
   ce_weight = cfg.get("ce_weight", 1.0)
@@ -68,14 +68,14 @@ def model_task(cfg: dict, tok) -> Task:
       loss=lambda params, batch: loss_fn(params, batch, config, teacher, ce_weight) if teacher
       else loss_fn(params, batch, config),
       metric="validation_ce",
-      save=lambda params, out: checkpoint.save(checkpoint.Model(config, params, tok), out,
+      save=lambda params, out: checkpoint.save(model.Model(config, params, tok), out,
                                                storage_dtype="bfloat16"))
 
 
 def heads_task(cfg: dict, tok) -> Task:
   """Medusa or EAGLE heads on a frozen target; the metric is the training loss on validation data."""
-  target = checkpoint.load(cfg["target"])
-  if target.tokenizer.get_vocab() != tok.get_vocab():
+  target = load(cfg["target"])
+  if not same_vocab(target.tokenizer, tok):
     raise SystemExit("the target's tokenizer differs from the data's")
   opts = cfg.get("heads", {})
   if cfg["drafter"] == "medusa":
@@ -99,7 +99,7 @@ def heads_task(cfg: dict, tok) -> Task:
 
   return Task(description=f"{drafter.kind} heads on {cfg['target']}", init=drafter.init_params, loss=loss,
               metric="validation_loss",
-              save=lambda params, out: drafters.save_heads(drafters.Heads(drafter, params), out,
+              save=lambda params, out: checkpoint.save_heads(drafters.Heads(drafter, params), out,
                                                            storage_dtype="bfloat16"))
 
 
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
   task = heads_task(cfg, tok) if cfg.get("drafter") else model_task(cfg, tok)
   shards = load_shards(data_dir)
   num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(task.init, jax.random.PRNGKey(0))))
-  print(f"{task.description}: {num_params:,} parameters; train {len(shards['train']):,} tokens, validation {len(shards['validation']):,}", flush=True)
+  print(f"{task.description}: {num_params:,} parameters; train {len(shards['train']):,} tokens, "
+        f"validation {len(shards['validation']):,}", flush=True)
 
   opt = make_optimizer(tcfg)
   seed = tcfg.get("seed", 0)

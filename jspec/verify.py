@@ -1,8 +1,8 @@
 """Speculative verification: accept a prefix of the draft and emit one more token (Leviathan et al. 2023).
 
 Draft token x_i, drawn from q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i)). At the first
-rejection the replacement is drawn from norm(max(0, p_i - q_i)); if all G are accepted, a bonus token is
-drawn from p_{G+1}. The emitted tokens are then distributed exactly as the target's p. With one-hot p
+rejection the replacement is drawn from norm(max(0, p_i - q_i)); if all K are accepted, a bonus token is
+drawn from p_{K+1}. The emitted tokens are then distributed exactly as the target's p. With one-hot p
 (greedy rows) this accepts while the draft equals the argmax, and emits the argmax.
 """
 from __future__ import annotations
@@ -13,21 +13,26 @@ import jax.numpy as jnp
 from jspec.sampling import argmax, sample
 
 
-def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
-           p_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token."""
-  batch, num_draft = draft_BxG.shape
-  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
-  p_x = jnp.take_along_axis(p_BxG1xV[:, :num_draft], draft_BxG[..., None], axis=-1)[..., 0]
-  q_x = jnp.take_along_axis(q_BxGxV, draft_BxG[..., None], axis=-1)[..., 0]
-  u_BxG = jax.vmap(lambda k: jax.random.uniform(k, (num_draft,)))(accept_key)
-  accepted_BxG = u_BxG * q_x < p_x  # u < p/q without dividing; q(x) > 0 since x was drawn from q
-  n_accepted = jnp.sum(jnp.cumprod(accepted_BxG, axis=1), axis=1).astype(jnp.int32)
+def accepted_prefix(accepted_BxK: jax.Array) -> jax.Array:
+  """[B] int32: how many leading proposals of each row were accepted."""
+  return jnp.sum(jnp.cumprod(accepted_BxK, axis=1), axis=1).astype(jnp.int32)
 
-  # Padding q with a zero row makes the residual after G acceptances p_{G+1} itself: the bonus token.
-  q_pad = jnp.concatenate([q_BxGxV, jnp.zeros_like(q_BxGxV[:, :1])], axis=1)
+
+def verify(keys_B: jax.Array, draft_BxK: jax.Array, q_BxKxV: jax.Array,
+           p_BxK1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token."""
+  batch, num_draft = draft_BxK.shape
+  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
+  p_x = jnp.take_along_axis(p_BxK1xV[:, :num_draft], draft_BxK[..., None], axis=-1)[..., 0]
+  q_x = jnp.take_along_axis(q_BxKxV, draft_BxK[..., None], axis=-1)[..., 0]
+  u_BxK = jax.vmap(lambda k: jax.random.uniform(k, (num_draft,)))(accept_key)
+  accepted_BxK = u_BxK * q_x < p_x  # u < p/q without dividing; q(x) > 0 since x was drawn from q
+  n_accepted = accepted_prefix(accepted_BxK)
+
+  # Padding q with a zero row makes the residual after K acceptances p_{K+1} itself: the bonus token.
+  q_pad = jnp.concatenate([q_BxKxV, jnp.zeros_like(q_BxKxV[:, :1])], axis=1)
   at = n_accepted[:, None, None]
-  p_n = jnp.take_along_axis(p_BxG1xV, at, axis=1)[:, 0]
+  p_n = jnp.take_along_axis(p_BxK1xV, at, axis=1)[:, 0]
   residual = jnp.maximum(p_n - jnp.take_along_axis(q_pad, at, axis=1)[:, 0], 0.0)
   total = residual.sum(-1, keepdims=True)
   # A zero residual means p == q at that position, where rejection has probability 0; fall back to p.
@@ -35,11 +40,11 @@ def verify(keys_B: jax.Array, draft_BxG: jax.Array, q_BxGxV: jax.Array,
   return n_accepted, sample(residual_key, residual)
 
 
-def verify_greedy(draft_BxG: jax.Array, target_logits_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify_greedy(draft_BxK: jax.Array, target_logits_BxK1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
   """`verify` for a batch where every row is greedy (one-hot p and q), computed from argmaxes alone."""
-  best_BxG1 = argmax(target_logits_BxG1xV)
-  n_accepted = jnp.sum(jnp.cumprod(draft_BxG == best_BxG1[:, :-1], axis=1), axis=1).astype(jnp.int32)
-  return n_accepted, jnp.take_along_axis(best_BxG1, n_accepted[:, None], axis=1)[:, 0]
+  best_BxK1 = argmax(target_logits_BxK1xV)
+  n_accepted = accepted_prefix(draft_BxK == best_BxK1[:, :-1])
+  return n_accepted, jnp.take_along_axis(best_BxK1, n_accepted[:, None], axis=1)[:, 0]
 
 
 # Medusa's defaults (Cai et al. 2024): accept x when p(x) > min(EPSILON, DELTA * exp(-entropy(p))).
@@ -47,15 +52,15 @@ TYPICAL_EPSILON = 0.09
 TYPICAL_DELTA = 0.3
 
 
-def verify_typical(keys_B: jax.Array, draft_BxG: jax.Array, p_BxG1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify_typical(keys_B: jax.Array, draft_BxK: jax.Array, p_BxK1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Medusa's typical acceptance: LOSSY. Accepts each draft token the target finds plausible enough, then
   samples the next token from p. The output no longer follows p exactly; greedy rows (one-hot p) still
   accept only the argmax, so greedy output is unchanged."""
-  num_draft = draft_BxG.shape[1]
-  p_x = jnp.take_along_axis(p_BxG1xV[:, :num_draft], draft_BxG[..., None], axis=-1)[..., 0]
-  p = p_BxG1xV[:, :num_draft]
+  num_draft = draft_BxK.shape[1]
+  p_x = jnp.take_along_axis(p_BxK1xV[:, :num_draft], draft_BxK[..., None], axis=-1)[..., 0]
+  p = p_BxK1xV[:, :num_draft]
   entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
-  accepted_BxG = p_x > jnp.minimum(TYPICAL_EPSILON, TYPICAL_DELTA * jnp.exp(-entropy))
-  n_accepted = jnp.sum(jnp.cumprod(accepted_BxG, axis=1), axis=1).astype(jnp.int32)
-  p_n = jnp.take_along_axis(p_BxG1xV, n_accepted[:, None, None], axis=1)[:, 0]
+  accepted_BxK = p_x > jnp.minimum(TYPICAL_EPSILON, TYPICAL_DELTA * jnp.exp(-entropy))
+  n_accepted = accepted_prefix(accepted_BxK)
+  p_n = jnp.take_along_axis(p_BxK1xV, n_accepted[:, None, None], axis=1)[:, 0]
   return n_accepted, sample(keys_B, p_n)

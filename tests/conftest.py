@@ -3,9 +3,9 @@ import os
 # Tests run on the CPU in fp32; keep XLA from grabbing every core's threads twice over.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import gc  # noqa: E402
-
 import pytest  # noqa: E402
+
+from jspec import engine  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -13,9 +13,4 @@ def _release_executables():
   """Drops compiled programs after each test module. Every XLA:CPU executable keeps its own memory
   mappings alive, and a single process compiling a few hundred of them crashed inside the compiler."""
   yield
-  import jax
-
-  from jspec import engine
-  engine.clear_cache()
-  jax.clear_caches()
-  gc.collect()
+  engine.release_executables()

@@ -20,10 +20,11 @@ args = ap.parse_args()
 if args.coordinator:
   jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
-import jspec  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec import engine, model, sharding, testing  # noqa: E402
+import jspec  # noqa: E402
+from jspec import decode, engine, model, pairing, sharding, testing  # noqa: E402
+from jspec.settings import SpecConfig  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)
@@ -45,17 +46,16 @@ def runs(mesh):
 
 def collectives(mesh, mode):
   """all-reduce / all-gather counts in the compiled loop's while bodies: "ar", "sharded" or "replicated" draft."""
-  from jspec import api, decode, drafters
-  args = (target.params, None if mode == "ar" else draft.params, jax.numpy.zeros((8, 16), "int32"),
-          jax.numpy.full((8,), 3, "int32"), jax.numpy.full((8,), 8, "int32"), engine.as_sampling(0.0, 0, 1.0, 8),
-          jax.numpy.arange(8, dtype="uint32"), jax.numpy.full((8,), -1, "int32"))
-  drafter = None if mode == "ar" else drafters.ModelDrafter(DRAFT)
-  placed, layout = api._on_mesh(mesh, args, target, drafter, mode == "sharded")
-  compiled = engine.lower(placed, dict(target_config=CONFIG, drafter=drafter, capacity=128, layout=layout,
-                                       spec=None if mode == "ar" else decode.Speculation(3))).compile()
+  requests = decode.Requests(jax.numpy.zeros((8, 16), "int32"), jax.numpy.full((8,), 3, "int32"),
+                             jax.numpy.full((8,), 8, "int32"), engine.as_sampling(0.0, 0, 1.0, 8),
+                             jax.numpy.arange(8, dtype="uint32"), jax.numpy.full((8,), -1, "int32"))
+  decoder = pairing.make_decoder(target, None if mode == "ar" else draft, SpecConfig(3), batch=8)
+  decoder, requests, layout = engine.place_on_mesh(mesh, decoder, requests, shard_draft=mode == "sharded")
+  compiled = engine.lower(decoder, requests, 128, layout).compile()
   text = compiled.as_text()
   explicit = (all(s.is_fully_replicated for s in jax.tree.leaves(compiled.output_shardings))
-              and jax.tree.leaves(compiled.input_shardings[0]) == [x.sharding for x in jax.tree.leaves(placed)])
+              and jax.tree.leaves(compiled.input_shardings[0])
+              == [x.sharding for x in jax.tree.leaves((decoder, requests))])
   return {**testing.loop_collectives(text), "drafter": testing.loop_collectives(text, "drafter"),
           "explicit_shardings": explicit}
 

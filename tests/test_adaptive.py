@@ -7,8 +7,10 @@ import pytest
 
 import jspec
 from jspec import adaptive, decode, testing
+from jspec.settings import AdaptiveConfig, SpecConfig
 
-POLICY = adaptive.Policy(cost_ratio=0.1, verify_cost=0.05, fallback_threshold=0.4, probe_interval=4, window=4)
+POLICY = AdaptiveConfig(cost_ratio=0.1, verify_cost=0.05, round_overhead=0.0, fallback_threshold=0.4,
+                        probe_interval=4, window=4)
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=16, eos_id=None)
 
 
@@ -97,33 +99,35 @@ def test_adaptive_greedy_equals_plain_decoding(pair, threshold):
   prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 3], [0, 0]]
   ar = jspec.generate(target, prompts, max_new_tokens=40)
   for drafter, d in [("model", draft), ("ngram", None)]:
-    r = jspec.generate(target, prompts, draft=d, drafter=drafter, max_new_tokens=40, draft_len=6,
-                       adaptive=True, fallback_threshold=threshold, probe_interval=3)
+    spec = SpecConfig(drafter=drafter, adaptive=AdaptiveConfig(fallback_threshold=threshold, probe_interval=3))
+    r = jspec.generate(target, prompts, draft=d, spec=spec, max_new_tokens=40, draft_len=6)
     assert r.token_ids == ar.token_ids, drafter
-    counts = r.stats["draft_len_counts"]
-    assert sum(counts.values()) == r.stats["target_forwards"]
+    counts = r.stats.draft_len_counts
+    assert sum(counts.values()) == r.stats.target_forwards
     if threshold == 0.95 and drafter == "model":
-      assert r.stats["fallback_rounds"] > 0 and r.stats["probe_rounds"] > 0
-      assert counts.get(0, 0) == r.stats["fallback_rounds"]
+      assert r.stats.fallback_rounds > 0 and r.stats.probe_rounds > 0
+      assert counts.get(0, 0) == r.stats.fallback_rounds
 
 
 def test_no_retrace_as_k_changes_at_run_time(pair):
   target, draft = pair
-  kw = dict(draft=draft, draft_len=6, adaptive=True, fallback_threshold=0.5, probe_interval=2)
+  kw = dict(draft=draft, draft_len=6,
+            spec=SpecConfig(adaptive=AdaptiveConfig(fallback_threshold=0.5, probe_interval=2)))
   jspec.generate(target, [[1, 2]], max_new_tokens=30, **kw)
   before = dict(decode.trace_counts)
   seen = set()
   for i in range(3):
     r = jspec.generate(target, [[3 + i] * (2 + i)], max_new_tokens=30, seed=i, temperature=0.5 * i, **kw)
-    assert r.stats["compile_seconds"] == 0.0
-    seen |= set(r.stats["draft_len_counts"])
+    assert r.stats.compile_seconds == 0.0
+    seen |= set(r.stats.draft_len_counts)
   assert len(seen) >= 3  # K really changed inside the compiled loop
   assert dict(decode.trace_counts) == before
 
 
 def test_disable_at_batch_size_decodes_plainly(pair):
   target, draft = pair
-  r = jspec.generate(target, [[1]] * 4, draft=draft, max_new_tokens=8, disable_at_batch_size=4)
-  assert r.stats["drafter"] is None and r.stats["draft_forwards"] == 0
-  r = jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, disable_at_batch_size=4)
-  assert r.stats["drafter"] == "model"
+  spec = SpecConfig(disable_at_batch_size=4)
+  r = jspec.generate(target, [[1]] * 4, draft=draft, max_new_tokens=8, spec=spec)
+  assert r.stats.drafter is None and r.stats.draft_forwards == 0
+  r = jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, spec=spec)
+  assert r.stats.drafter == "model"

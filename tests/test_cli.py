@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import cli, drafters, testing
+from jspec import checkpoint, cli, drafters, testing
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def test_save_load_round_trip(ckpts):
   assert jax.tree.leaves(half.params)[0].dtype == jax.numpy.bfloat16
   draft = jspec.load(ckpts / "draft", dtype="bfloat16")
   c = jspec.generate(half, ["hello"], draft=draft, max_new_tokens=8)
-  assert len(c.token_ids[0]) == 8 and c.stats["drafted_tokens"] > 0
+  assert len(c.token_ids[0]) == 8 and c.stats.drafted_tokens > 0
 
 
 def _cli(ckpts, *args):
@@ -58,16 +58,28 @@ BAD = [
     (["--target", "{root}/corrupt"], "cannot restore parameters"),
     (["--prompt", "x" * 2000], "exceeds the model's context"),
     (["--prompt", ""], "prompt 0 is empty"),
-    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--top-k", "-2"], "top_k must be >= 0"),
-    (["--draft-len", "0"], "draft_len must be >= 1"),
+    (["--top-p", "nan"], "top_p must be in (0, 1]"),
+    (["--top-k", "-2"], "top_k must be an integer >= 0"),
+    (["--draft-len", "0"], "draft_len must be an integer in [1, 16], got 0"),
+    (["--draft-len", "1000"], "draft_len must be an integer in [1, 16], got 1000"),
+    (["--max-ngram", "0"], "max_ngram must be an integer in [1, 8]"),
+    (["--disable-at-batch-size", "0"], "disable_at_batch_size must be an integer >= 1"),
+    (["--adaptive", "--fallback-threshold", "1.5"], "fallback_threshold must be in [0, 1]"),
+    (["--adaptive", "--fallback-threshold", "nan"], "fallback_threshold must be in [0, 1]"),
+    (["--adaptive", "--probe-interval", "0"], "probe_interval must be an integer >= 1"),
+    (["--adaptive", "--cost-ratio", "-0.1"], "cost_ratio must be a finite number >= 0"),
+    (["--adaptive", "--verify-cost", "nan"], "verify_cost must be a finite number >= 0"),
+    (["--adaptive", "--round-overhead", "inf"], "round_overhead must be a finite number >= 0"),
     (["--seed", "-1"], "seeds must be in [0, 2**32)"),
     (["--draft", "{root}/draft-vocab"], "draft vocab size 300 differs"),
     ([], "no prompt given"),
-    (["--drafter", "medusa"], "--drafter medusa was given model weights"),
+    (["--drafter", "medusa"], "the medusa drafter was given model weights"),
     (["--drafter", "ngram"], "the ngram drafter takes no draft weights"),
 ]
 
@@ -85,8 +97,12 @@ def test_bad_input_exits_2_with_one_line(ckpts, capsys, extra, message):
 
 def test_api_raises_value_error(ckpts):
   target = jspec.load(ckpts / "target")
-  with pytest.raises(ValueError, match="temperature must be >= 0"):
+  with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
     jspec.generate(target, ["x"], temperature=-0.5)
+  with pytest.raises(ValueError, match="draft_len must be an integer in"):
+    jspec.generate(target, ["x"], draft_len=17)
+  with pytest.raises(ValueError, match="top_k must be an integer"):
+    jspec.generate(target, ["x"], top_k=1.5)
   with pytest.raises(ValueError, match="tokenizer differs"):
     other = dataclasses.replace(target, tokenizer=target.tokenizer.from_str(target.tokenizer.to_str()))
     other.tokenizer.add_special_tokens(["<|other|>"])
@@ -116,7 +132,7 @@ def test_cli_json_end_to_end_in_a_subprocess(ckpts, tmp_path):
 def test_cli_runs_every_drafter_kind(ckpts, capsys):
   target = jspec.load(ckpts / "target")
   heads = testing.random_heads(drafters.MedusaDrafter(target.config, 4))
-  drafters.save_heads(heads, ckpts / "medusa")
+  checkpoint.save_heads(heads, ckpts / "medusa")
   base = ["--target", str(ckpts / "target"), "--prompt", "abcabcabc", "--max-new-tokens", "6", "--json"]
   for extra, kind in [(["--drafter", "ngram"], "ngram"), (["--draft", str(ckpts / "medusa")], "medusa"),
                       (["--draft", str(ckpts / "draft")], "model")]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import decode, drafters, model, testing
+from jspec import decode, engine, pairing, testing, tokenizer
 
 NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
 PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\n", "class Foo:\n    def __init__(self"]
@@ -24,10 +24,10 @@ def test_greedy_speculative_equals_target_argmax_and_ar(pair, draft_len):
   ar = jspec.generate(target, PROMPTS, max_new_tokens=24)
   spec = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=24, draft_len=draft_len)
   assert spec.token_ids == ar.token_ids
-  assert 0 < spec.stats["acceptance_rate"] < 1  # the draft disagrees sometimes: both paths are exercised
+  assert 0 < spec.stats.acceptance_rate < 1  # the draft disagrees sometimes: both paths are exercised
   for p, ids in zip(PROMPTS, spec.token_ids):
     assert len(ids) == 24
-    testing.assert_target_argmax(target, jspec.api.encode(target.tokenizer, p), ids)
+    testing.assert_target_argmax(target, tokenizer.encode(target.tokenizer, p), ids)
 
 
 def test_ragged_batch_rows_equal_rows_alone(pair):
@@ -45,10 +45,10 @@ def test_draft_equal_to_target_accepts_everything(pair, draft_len):
   r = jspec.generate(target, PROMPTS[:1], draft=target, max_new_tokens=rounds * (draft_len + 1),
                      draft_len=draft_len)
   s = r.stats
-  assert s["acceptance_rate"] == 1.0
-  assert s["mean_accepted_length"] == draft_len + 1
-  assert s["rounds"] == rounds and s["target_forwards"] == rounds
-  assert s["per_position_acceptance"] == [1.0] * draft_len
+  assert s.acceptance_rate == 1.0
+  assert s.mean_accepted_length == draft_len + 1
+  assert s.rounds == rounds and s.target_forwards == rounds
+  assert s.per_position_acceptance == [1.0] * draft_len
 
 
 def test_stats_identities(pair):
@@ -57,14 +57,14 @@ def test_stats_identities(pair):
   r = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=max_new, draft_len=draft_len)
   s = r.stats
   emitted = sum(len(ids) for ids in r.token_ids)
-  assert s["emitted_tokens"] == emitted == max_new * len(PROMPTS)
-  assert s["drafted_tokens"] == draft_len * s["rounds"]
-  assert s["draft_forwards"] == draft_len * s["target_forwards"]
+  assert s.emitted_tokens == emitted == max_new * len(PROMPTS)
+  assert s.drafted_tokens == draft_len * s.rounds
+  assert s.draft_forwards == draft_len * s.target_forwards
   # Each round proposes accepted + 1 tokens; the last round of a row may be cut at max_new_tokens.
-  cut = s["accepted_tokens"] + s["rounds"] - s["emitted_tokens"]
+  cut = s.accepted_tokens + s.rounds - s.emitted_tokens
   assert 0 <= cut <= len(PROMPTS) * draft_len
-  assert sum(s["per_position_acceptance"]) * s["rounds"] == pytest.approx(s["accepted_tokens"])
-  assert s["mean_accepted_length"] == pytest.approx(s["emitted_tokens"] / s["rounds"])
+  assert sum(s.per_position_acceptance) * s.rounds == pytest.approx(s.accepted_tokens)
+  assert s.mean_accepted_length == pytest.approx(s.emitted_tokens / s.rounds)
 
 
 def test_eos_stops_each_row_and_nothing_follows_it():
@@ -80,12 +80,12 @@ def test_eos_stops_each_row_and_nothing_follows_it():
       assert 3 not in ids[:-1]
       assert ids[-1] == 3 or len(ids) == 40
     assert len(set(lengths)) > 1, lengths
-    assert r.stats["emitted_tokens"] == sum(lengths)
+    assert r.stats.emitted_tokens == sum(lengths)
     # ignore_eos: the same request decodes every row to max_new_tokens, through its EOS, with no new compile.
     r2 = jspec.generate(target, prompts, max_new_tokens=40, temperature=1.0, seed=7, ignore_eos=True, **kwargs)
     assert [len(ids) for ids in r2.token_ids] == [40] * 4
     assert all(ids[:len(a)] == a for ids, a in zip(r2.token_ids, r.token_ids))
-    assert r2.stats["compile_seconds"] == 0.0
+    assert r2.stats.compile_seconds == 0.0
 
 
 def test_request_at_the_edge_of_the_context_finishes(pair):
@@ -107,7 +107,7 @@ def test_no_retrace_across_requests_in_a_bucket(pair):
   for i, (prompt, temp) in enumerate([("abc", 0.0), ("a longer prompt", 0.7), ("zz", 1.3)]):
     r = jspec.generate(target, [prompt], draft=draft, max_new_tokens=10 + i, draft_len=3, temperature=temp,
                        top_k=i * 5, top_p=1.0 - 0.1 * i, seed=i, ignore_eos=bool(i % 2))
-    assert r.stats["compile_seconds"] == 0.0
+    assert r.stats.compile_seconds == 0.0
   assert dict(decode.trace_counts) == before
 
 
@@ -136,22 +136,17 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   import chex
   import jax.numpy as jnp
 
-  from jspec import engine
   target, draft = pair
   chex.clear_trace_counter()
+  decoder = pairing.make_decoder(target, draft, jspec.SpecConfig(draft_len=3), batch=2)
 
   @jax.jit
   @chex.assert_max_traces(n=1)
-  def run(prompts, lens, temperature, seeds):
-    sp = engine.as_sampling(temperature, 0, 1.0, prompts.shape[0])
-    drafter = drafters.ModelDrafter(draft.config)
-    state = decode.init_state(prompts, lens, jnp.full((2,), 6), sp, seeds, 128, target.config, drafter,
-                              decode.Speculation(3))
-    hidden, target_cache = model.prefill(target.params, target.config, state.target_cache, prompts, lens)
-    state = state.replace(target_cache=target_cache, drafter_state=drafter.prefill(
-        draft.params, target.params, state.drafter_state, prompts, lens, hidden))
-    return decode.speculative(target.params, draft.params, target.config, drafter, decode.Speculation(3), state).tokens
+  def run(decoder, prompts, lens, temperature, seeds):
+    requests = decode.Requests(prompts, lens, jnp.full((2,), 6), engine.as_sampling(temperature, 0, 1.0, 2), seeds,
+                               decode.eos_ids(target.config, 2))
+    return decode.run(decoder, decode.start(decoder, requests, capacity=128)).tokens
 
   for i in range(3):
     prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)
-    run(prompts, np.asarray([16, 3 + i], np.int32), np.float32(0.5 * i), np.asarray([i, i + 1], np.uint32))
+    run(decoder, prompts, np.asarray([16, 3 + i], np.int32), np.float32(0.5 * i), np.asarray([i, i + 1], np.uint32))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import decode, drafters, engine, model, testing
+from jspec import checkpoint, decode, drafters, engine, pairing, shipped, testing
+from jspec.settings import SpecConfig
 
 VOCAB = 16
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=VOCAB, eos_id=None)
@@ -38,11 +39,11 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len):
   ps = prompts(6)
   ar = jspec.generate(target, ps, max_new_tokens=20)
-  spec = jspec.generate(target, ps, draft=make_draft(kind, target), drafter=kind, max_new_tokens=20,
-                        draft_len=draft_len)
-  assert spec.stats["drafter"] == kind
+  spec = jspec.generate(target, ps, draft=make_draft(kind, target), spec=SpecConfig(drafter=kind),
+                        max_new_tokens=20, draft_len=draft_len)
+  assert spec.stats.drafter == kind
   assert spec.token_ids == ar.token_ids
-  assert spec.stats["accepted_tokens"] > 0  # acceptance happens, so rollback paths run too
+  assert spec.stats.accepted_tokens > 0  # acceptance happens, so rollback paths run too
   for p, ids in zip(ps, spec.token_ids):
     testing.assert_target_argmax(target, p, ids)
 
@@ -50,7 +51,8 @@ def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len)
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
   ps = prompts(3, seed=1)
-  kw = dict(draft=make_draft(kind, target), drafter=kind, max_new_tokens=16, draft_len=3, temperature=1.0)
+  kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind), max_new_tokens=16, draft_len=3,
+            temperature=1.0)
   batched = jspec.generate(target, ps, seed=5, **kw)
   for b, p in enumerate(ps):
     assert jspec.generate(target, [p], seed=[5 + b], **kw).token_ids[0] == batched.token_ids[b]
@@ -61,26 +63,22 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
   prefill of the accepted text, including rows rejected in the middle of their draft."""
   draft_len, batch, width, capacity = 4, 16, 16, 128
-  drafter, dparams = drafters.resolve(target, make_draft(kind, target), kind, draft_len=draft_len)
+  decoder = pairing.make_decoder(target, make_draft(kind, target), SpecConfig(draft_len, drafter=kind), batch)
   sp = engine.as_sampling(0.0, 0, 1.0, batch)
   keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
 
   @jax.jit
   def fresh(tokens_BxP, lens_B):
-    state = decode.init_state(tokens_BxP, lens_B, jnp.full((batch,), 64), sp, jnp.arange(batch), capacity,
-                              target.config, drafter, decode.Speculation(draft_len))
-    hidden, tc = model.prefill(target.params, target.config, state.target_cache, tokens_BxP, lens_B)
-    return state.replace(target_cache=tc, drafter_state=drafter.prefill(dparams, target.params,
-                                                                         state.drafter_state, tokens_BxP,
-                                                                         lens_B, hidden))
+    requests = decode.Requests(tokens_BxP, lens_B, jnp.full((batch,), 64), sp, jnp.arange(batch),
+                               decode.eos_ids(target.config, batch))
+    return decode.start(decoder, requests, capacity)
 
   @jax.jit
   def proposal(state):
-    return drafter.propose(dparams, target.params, state.drafter_state, state.tokens, state.seq_lens, keys,
-                           sp)[2]
+    return decoder.drafter.propose(decoder.drafter_params, decoder.target_params, state.drafter_state,
+                                   state.tokens, state.seq_lens, keys, sp)[1].logits_BxKxV
 
-  step = jax.jit(lambda s: decode._speculative_step(target.params, dparams, target.config, drafter,
-                                                    decode.Speculation(draft_len), s))
+  step = jax.jit(lambda s: decode.speculative_step(decoder, s))
   ps = prompts(batch, seed=2)
   tokens = np.zeros((batch, width), np.int32)
   for b, p in enumerate(ps):
@@ -99,12 +97,12 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "ngram"])  # the draft model: tests/test_decode.py
 def test_no_retrace_across_requests(target, kind):
-  kw = dict(draft=make_draft(kind, target), drafter=kind, draft_len=3)
+  kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind), draft_len=3)
   jspec.generate(target, [[1, 2, 3]], max_new_tokens=10, **kw)
   before = dict(decode.trace_counts)
   for i, temp in enumerate([0.0, 0.8, 1.2]):
     r = jspec.generate(target, [[4] * (i + 2)], max_new_tokens=10 + i, temperature=temp, top_k=i, seed=i, **kw)
-    assert r.stats["compile_seconds"] == 0.0
+    assert r.stats.compile_seconds == 0.0
   assert dict(decode.trace_counts) == before
 
 
@@ -118,18 +116,19 @@ def test_ngram_lookup_finds_the_most_recent_longest_match():
 
 
 def test_ngram_without_a_match_runs_plain_target_steps(target):
-  r = jspec.generate(target, [[1, 2, 3]], drafter="ngram", max_new_tokens=1, draft_len=4)
-  assert r.stats["plain_forwards"] == 1 and r.stats["drafted_tokens"] == 0
+  ngram = SpecConfig(drafter="ngram")
+  r = jspec.generate(target, [[1, 2, 3]], spec=ngram, max_new_tokens=1, draft_len=4)
+  assert r.stats.plain_forwards == 1 and r.stats.drafted_tokens == 0
   # On a prompt that repeats itself, the greedy continuation is found in the context.
   loop = [3, 1, 4, 1, 5, 9, 2, 6] * 4
-  r = jspec.generate(target, [loop], drafter="ngram", max_new_tokens=32, draft_len=4)
+  r = jspec.generate(target, [loop], spec=ngram, max_new_tokens=32, draft_len=4)
   assert r.token_ids == jspec.generate(target, [loop], max_new_tokens=32).token_ids
 
 
 def test_heads_save_and_load_round_trip(target, tmp_path):
   for kind in ("medusa", "eagle"):
     heads = make_draft(kind, target)
-    drafters.save_heads(heads, tmp_path / kind)
+    checkpoint.save_heads(heads, tmp_path / kind)
     loaded = jspec.load(tmp_path / kind)
     assert loaded.drafter == heads.drafter
     jax.tree.map(np.testing.assert_array_equal, loaded.params, heads.params)
@@ -137,13 +136,13 @@ def test_heads_save_and_load_round_trip(target, tmp_path):
 
 def test_bad_drafter_requests_are_one_line_errors(target):
   with pytest.raises(ValueError, match="unknown drafter"):
-    jspec.generate(target, [[1]], drafter="tree")
+    jspec.generate(target, [[1]], spec=SpecConfig(drafter="tree"))
   with pytest.raises(ValueError, match="needs draft weights"):
-    jspec.generate(target, [[1]], drafter="medusa")
+    jspec.generate(target, [[1]], spec=SpecConfig(drafter="medusa"))
   with pytest.raises(ValueError, match="exceeds the 5 Medusa heads"):
     jspec.generate(target, [[1]], draft=make_draft("medusa", target), draft_len=6)
-  with pytest.raises(ValueError, match="was given medusa weights"):
-    jspec.generate(target, [[1]], draft=make_draft("medusa", target), drafter="eagle")
+  with pytest.raises(ValueError, match="the eagle drafter was given medusa weights"):
+    jspec.generate(target, [[1]], draft=make_draft("medusa", target), spec=SpecConfig(drafter="eagle"))
   wide = testing.random_model(dataclasses.replace(CONFIG, dim=96))
   with pytest.raises(ValueError, match="trained for a target of width 64"):
     jspec.generate(wide, [[1]], draft=make_draft("eagle", target))
@@ -151,10 +150,9 @@ def test_bad_drafter_requests_are_one_line_errors(target):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_drafters_match_plain_decoding_on_the_shipped_target(kind):
-  from jspec import cli
-  target = jspec.load(cli.DEFAULT_TARGET)
-  draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
+  target = jspec.load(shipped.TARGET)
+  draft = jspec.load(shipped.DRAFTS[kind]) if kind in shipped.DRAFTS else None
   prompts = ["def parse_args(argv):\n", "class Stack:\n    def push(self, item):\n"]
-  r = jspec.generate(target, prompts, draft=draft, drafter=kind, max_new_tokens=32, draft_len=4)
+  r = jspec.generate(target, prompts, draft=draft, spec=SpecConfig(drafter=kind), max_new_tokens=32, draft_len=4)
   assert r.token_ids == jspec.generate(target, prompts, max_new_tokens=32).token_ids
-  assert r.stats["acceptance_rate"] > 0.05  # proposals do get accepted
+  assert r.stats.acceptance_rate > 0.05  # proposals do get accepted

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
+
 import jspec  # noqa: E402
 from jspec import model, testing  # noqa: E402
 from jspec.checkpoint import save  # noqa: E402
@@ -76,7 +77,8 @@ def test_convert_cli_and_bad_hf_dirs(tmp_path):
   assert proc.returncode == 0, proc.stderr
   a, b = jspec.load(path), jspec.load(out)
   assert a.config == b.config
-  assert jspec.generate(a, ["abc"], max_new_tokens=8).token_ids == jspec.generate(b, ["abc"], max_new_tokens=8).token_ids
+  assert (jspec.generate(a, ["abc"], max_new_tokens=8).token_ids
+          == jspec.generate(b, ["abc"], max_new_tokens=8).token_ids)
 
   cfg = json.loads((path / "config.json").read_text())
   (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))

@@ -1,11 +1,12 @@
-"""The compiled decode loops never copy a whole KV-cache buffer (issue 8's regression)."""
+"""The compiled decode loops never copy a whole KV-cache buffer (see jspec/cache.py)."""
 import dataclasses
 
 import numpy as np
 import pytest
 
 from jspec import cache as kvcache
-from jspec import adaptive, decode, drafters, engine, testing
+from jspec import decode, drafters, engine, testing
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
@@ -14,20 +15,20 @@ DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 def _hlo(batch, kind, capacity=512):
   target = testing.random_model(CONFIG)
   draft = testing.random_model(DRAFT, seed=1)
-  adaptive_spec = decode.Speculation(4, adaptive=adaptive.Policy())
+  adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral("model")))
   drafter, draft_params, spec = {
       "autoregressive": (None, None, None),
-      "model": (drafters.ModelDrafter(DRAFT), draft.params, decode.Speculation(4)),
+      "model": (drafters.ModelDrafter(DRAFT), draft.params, SpecConfig(4)),
       # Adaptive rounds pick a branch per round (plain step or K), and the draft catches up after plain
       # steps with a wider forward: branches that write caches, which XLA:CPU must not copy.
       "model-adaptive": (drafters.ModelDrafter(DRAFT, max_lag=17), draft.params, adaptive_spec),
       "ngram-adaptive": (drafters.NgramDrafter(CONFIG.vocab_size, 3), None, adaptive_spec),
   }[kind]
-  args = (target.params, draft_params, np.zeros((batch, 16), np.int32),
-          np.full((batch,), 3, np.int32), np.full((batch,), 8, np.int32),
-          engine.as_sampling(0.0, 0, 1.0, batch), np.arange(batch, dtype=np.uint32), np.full((batch,), -1, np.int32))
-  static = dict(target_config=CONFIG, drafter=drafter, spec=spec, capacity=capacity)
-  return engine.run.lower(*args, **static).compile().as_text()
+  decoder = decode.Decoder(target.params, draft_params, target_config=CONFIG, drafter=drafter, spec=spec)
+  requests = decode.Requests(np.zeros((batch, 16), np.int32), np.full((batch,), 3, np.int32),
+                             np.full((batch,), 8, np.int32), engine.as_sampling(0.0, 0, 1.0, batch),
+                             np.arange(batch, dtype=np.uint32), np.full((batch,), -1, np.int32))
+  return engine.lower(decoder, requests, capacity).compile().as_text()
 
 
 @pytest.mark.parametrize("batch,kind", [

@@ -9,6 +9,7 @@ import pytest
 
 import jspec
 from jspec import drafters, model, sampling, testing
+from jspec.settings import AdaptiveConfig, SpecConfig
 from jspec.verify import verify, verify_greedy, verify_typical
 
 VOCAB = 8
@@ -64,7 +65,7 @@ def test_first_two_tokens_match_the_exact_distribution(pair, sp, draft_len):
   tv, bound, stats = _empirical_tv(target, PROMPT, sp, **kw)
   assert tv < bound, (tv, bound)
   if draft_len:
-    assert 0.02 < stats["acceptance_rate"] < 0.95  # both accept and reject paths are taken
+    assert 0.02 < stats.acceptance_rate < 0.95  # both accept and reject paths are taken
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "ngram"])
@@ -76,9 +77,10 @@ def test_every_drafter_keeps_the_exact_distribution(pair, kind):
   elif kind == "eagle":
     draft = testing.random_heads(drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1)))
   prompt = PROMPT + PROMPT[:2] if kind == "ngram" else PROMPT  # a repeat, so lookup proposes
-  tv, bound, stats = _empirical_tv(target, prompt, (0.7, 3, 1.0), draft=draft, drafter=kind, draft_len=3)
+  tv, bound, stats = _empirical_tv(target, prompt, (0.7, 3, 1.0), draft=draft, spec=SpecConfig(drafter=kind),
+                                   draft_len=3)
   assert tv < bound, (tv, bound)
-  assert 0.02 < stats["acceptance_rate"] < 0.95
+  assert 0.02 < stats.acceptance_rate < 0.95
 
 
 def test_top_k_top_p_masks_are_never_violated():
@@ -149,12 +151,12 @@ def test_typical_acceptance_is_labelled_lossy_and_keeps_greedy_output(pair):
   target, draft = pair
   greedy = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12)
   typical = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12,
-                           typical_acceptance=True)
+                           spec=SpecConfig(typical_acceptance=True))
   assert typical.token_ids == greedy.token_ids
-  assert typical.stats["lossy"] is True and "lossy" in typical.stats["verify"]
-  assert greedy.stats["lossy"] is False
+  assert typical.stats.lossy is True and "lossy" in typical.stats.verify
+  assert greedy.stats.lossy is False
   sampled = jspec.generate(target, [PROMPT] * 64, draft=draft, draft_len=3, max_new_tokens=12, temperature=1.0,
-                           typical_acceptance=True)
+                           spec=SpecConfig(typical_acceptance=True))
   assert all(len(ids) == 12 for ids in sampled.token_ids)
 
 
@@ -171,7 +173,7 @@ def test_adaptive_speculation_with_fallback_keeps_the_exact_distribution(pair):
   # A high threshold: a row whose first round rejects early falls back to plain steps for its second token,
   # so both plain and speculative tokens are in the sample.
   target, draft = pair
-  tv, bound, stats = _empirical_tv(target, PROMPT, (1.0, 0, 1.0), draft=draft, draft_len=3, adaptive=True,
-                                   fallback_threshold=0.9, probe_interval=1)
+  spec = SpecConfig(adaptive=AdaptiveConfig(fallback_threshold=0.9, probe_interval=1))
+  tv, bound, stats = _empirical_tv(target, PROMPT, (1.0, 0, 1.0), draft=draft, draft_len=3, spec=spec)
   assert tv < bound, (tv, bound)
-  assert stats["fallback_rounds"] > 0 and stats["draft_len_counts"].get(3, 0) > 0
+  assert stats.fallback_rounds > 0 and stats.draft_len_counts.get(3, 0) > 0

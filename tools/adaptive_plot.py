@@ -14,7 +14,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jspec  # noqa: E402
-from jspec import cli  # noqa: E402
+from jspec import shipped  # noqa: E402
+from jspec.settings import DRAFTERS, AdaptiveConfig, SpecConfig  # noqa: E402
 
 PROMPT = ('def load_settings(path):\n    """Read the settings file.\n\n    This paragraph is plain English, the '
           'kind of long explanation a careful author writes when the behaviour is surprising. Settings come '
@@ -25,7 +26,7 @@ PROMPT = ('def load_settings(path):\n    """Read the settings file.\n\n    This 
 def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--prompt", default=PROMPT)
-  ap.add_argument("--drafter", default="model", choices=("model", "medusa", "eagle", "ngram"))
+  ap.add_argument("--drafter", default="model", choices=DRAFTERS)
   ap.add_argument("--draft-len", type=int, default=6, help="K_max")
   ap.add_argument("--max-new-tokens", type=int, default=400)
   ap.add_argument("--probe-interval", type=int, default=16)
@@ -38,17 +39,16 @@ def main() -> int:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  target = jspec.load(cli.DEFAULT_TARGET)
-  draft = jspec.load(cli.SHIPPED_DRAFTS[args.drafter]) if args.drafter in cli.SHIPPED_DRAFTS else None
-  r = jspec.generate(target, [args.prompt], draft=draft, drafter=args.drafter, draft_len=args.draft_len,
-                     max_new_tokens=args.max_new_tokens, adaptive=True, probe_interval=args.probe_interval,
-                     cost_ratio=cli.SHIPPED_COST_RATIO[args.drafter],
-                     verify_cost=cli.SHIPPED_VERIFY_COST,
-                     round_overhead=cli.SHIPPED_ROUND_OVERHEAD[args.drafter], trace_rounds=args.max_new_tokens,
+  target = jspec.load(shipped.TARGET)
+  draft = jspec.load(shipped.DRAFTS[args.drafter]) if args.drafter in shipped.DRAFTS else None
+  # The drafter's measured cost model comes from its checkpoint.
+  spec = SpecConfig(args.draft_len, drafter=args.drafter, trace_rounds=args.max_new_tokens,
+                    adaptive=AdaptiveConfig(probe_interval=args.probe_interval))
+  r = jspec.generate(target, [args.prompt], draft=draft, spec=spec, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-  trace = r.stats["trace"]
+  trace = r.stats.trace
   tokens, x = 0, []
-  for t, row in enumerate(trace):  # x: tokens emitted before the round
+  for row in trace:  # x: tokens emitted before the round
     x.append(tokens)
     tokens += 1 if row["accepted"] is None else int(row["accepted"]) + 1
   k = [row["draft_len"] for row in trace]
@@ -71,9 +71,9 @@ def main() -> int:
   out.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(out, dpi=110)
   s = r.stats
-  print(json.dumps({"out": str(out), "text": r.texts[0], "draft_len_counts": s["draft_len_counts"],
-                    "fallback_rounds": s["fallback_rounds"], "probe_rounds": s["probe_rounds"],
-                    "tau": s["mean_accepted_length"]}, indent=1))
+  print(json.dumps({"out": str(out), "text": r.texts[0], "draft_len_counts": s.draft_len_counts,
+                    "fallback_rounds": s.fallback_rounds, "probe_rounds": s.probe_rounds,
+                    "tau": s.mean_accepted_length}, indent=1))
   return 0
 
 

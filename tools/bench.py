@@ -8,6 +8,7 @@
   python tools/bench.py --suite adaptive --drafters model   # adaptive K and fallback vs fixed K and AR
   python tools/bench.py --suite round   # where a speculative round's time goes (K = 4, batch 1)
   python tools/bench.py --suite prefill # prefill time by prompt bucket width
+  python tools/bench.py --suite cost --write   # each shipped drafter's cost model, into its checkpoint
   python tools/bench.py --quick         # a smoke run of the sweep on tiny random models (CI)
 Writes bench.json (everything), and for the sweep bench.md (tables) and PNG plots, to --out DIR.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import pathlib
 import resource
@@ -33,9 +33,11 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import jspec  # noqa: E402
+from jspec import adaptive, checkpoint, data, decode, engine, model, pairing, shipped, testing  # noqa: E402
 from jspec import cache as kvcache  # noqa: E402
-from jspec import cli, data, decode, drafters, engine, model, testing  # noqa: E402
 from jspec.config import ModelConfig, num_params  # noqa: E402
+from jspec.drafters import Proposal  # noqa: E402
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig  # noqa: E402
 
 # ~31M parameters: the size the loop-overhead goal names (20-50M).
 MID = ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, mlp_dim=1536,
@@ -147,15 +149,15 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
 
 
 def naive_step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int, steps: int = 32):
-  """The "before" of issue 8: one stacked `[N, B, T, K, Dh]` cache, a vmapped per-row update, and attention
-  over the whole capacity. XLA on the CPU copies the written buffer every step."""
+  """The layout jspec/cache.py avoids: one stacked `[N, B, T, J, Dh]` cache, a vmapped per-row update, and
+  attention over the whole capacity. XLA on the CPU copies the written buffer every step."""
   tokens = jnp.ones((batch, 1), jnp.int32)
   positions = jnp.full((batch, 1), used, jnp.int32)
   lengths = jnp.full((batch,), used, jnp.int32)
   write_row = jax.vmap(lambda buf, new, n: lax.dynamic_update_slice(buf, new, (n, 0, 0)))
 
-  def one(k_NxBxTxKxDh, v_NxBxTxKxDh):
-    caches = [k_NxBxTxKxDh, v_NxBxTxKxDh]
+  def one(k_NxBxTxJxDh, v_NxBxTxJxDh):
+    caches = [k_NxBxTxJxDh, v_NxBxTxJxDh]
 
     def attend(i, q, k, v):
       caches[0] = caches[0].at[i].set(write_row(caches[0][i], k, lengths))
@@ -226,20 +228,20 @@ def suite_loop(repeats: int) -> dict:
                    "ar": lambda: jspec.generate(target, prompts, max_new_tokens=new)}, repeats)
   ar = jspec.generate(target, prompts, max_new_tokens=new)
   out = {"model_params": num_params(MID), "single_forward_ms": t["single"] * 1e3,
-         "ar_tokens_per_second": ar.stats["tokens_per_second"],
-         "loop_overhead_ratio": ar.stats["tokens_per_second"] * t["single"]}
+         "ar_tokens_per_second": ar.stats.tokens_per_second,
+         "loop_overhead_ratio": ar.stats.tokens_per_second * t["single"]}
   fns = {f"verify{k + 1}": step_loop(target.params, MID, 1, 256, 32, k + 1, True)[0] for k in range(0, 9)}
   tv = interleaved(fns, repeats)
   out["verify_cost_over_step"] = {k: tv[f"verify{k + 1}"] / tv["verify1"] for k in range(1, 9)}
   copy = jspec.generate(target, prompts, draft=target, max_new_tokens=5 * 8, draft_len=4)
-  out["draft_equals_target_tokens_per_forward"] = copy.stats["mean_accepted_length"]
+  out["draft_equals_target_tokens_per_forward"] = copy.stats.mean_accepted_length
   return out
 
 
 def suite_prefill(repeats: int, widths: tuple[int, ...] = (96, 128, 192, 256, 384, 512)) -> dict:
   """The shipped target's prefill of one prompt as wide as each prompt bucket: prefill runs over the whole
   padded width, so its cost follows the bucket, not the prompt."""
-  target = jspec.load(cli.DEFAULT_TARGET)
+  target = jspec.load(shipped.TARGET)
   tparams = model.with_head(target.params)
   prefill = jax.jit(lambda c, t, n: model.prefill(tparams, target.config, c, t, n)[0].sum())
   fns = {}
@@ -252,53 +254,58 @@ def suite_prefill(repeats: int, widths: tuple[int, ...] = (96, 128, 192, 256, 38
           "prefill_us_per_token": {w: t[w] * 1e6 / w for w in widths}}
 
 
+def shipped_pair(kind: str):
+  """The shipped target and the shipped weights of a drafter (None for n-gram)."""
+  return jspec.load(shipped.TARGET), jspec.load(shipped.DRAFTS[kind]) if kind in shipped.DRAFTS else None
+
+
+def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max_new: int = 10 ** 6):
+  """A decoder (target head untied, as the loop reads it) and its state after prefilling `batch` random
+  prompts of `used` tokens, greedy, in a cache of 512 slots."""
+  decoder = pairing.make_decoder(target, draft, SpecConfig(draft_len, drafter=kind), batch)
+  decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)), jnp.int32)
+  requests = decode.Requests(prompt, jnp.full((batch,), used, jnp.int32), jnp.full((batch,), max_new, jnp.int32),
+                             engine.as_sampling(0.0, 0, 1.0, batch), jnp.zeros((batch,), jnp.uint32),
+                             decode.eos_ids(target.config, batch, ignore_eos=True))
+  return decoder, decode.start(decoder, requests, 512)
+
+
 def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200) -> dict:
   """Where a speculative round's time goes, shipped pair, batch 1, greedy: the whole round, its parts
   (the proposal of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop
   from the same decode state; the rest of the round is its overhead."""
-  target = jspec.load(cli.DEFAULT_TARGET)
-  tparams = model.with_head(target.params)  # as the decode loops read it
-  draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
-  drafter, dparams = drafters.resolve(target, draft, kind, draft_len=draft_len)
-  spec = decode.Speculation(draft_len)
-  prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (1, used)), jnp.int32)
-  lens = jnp.full((1,), used, jnp.int32)
-  sp = engine.as_sampling(0.0, 0, 1.0, 1)
-  state = decode.init_state(prompt, lens, jnp.full((1,), 10 ** 6), sp, jnp.zeros((1,), jnp.uint32), 512,
-                            target.config, drafter, spec)
-  hidden, tcache = model.prefill(tparams, target.config, state.target_cache, prompt, lens)
-  state = state.replace(target_cache=tcache, drafter_state=drafter.prefill(dparams, tparams,
-                                                                         state.drafter_state, prompt, lens, hidden))
+  target, draft = shipped_pair(kind)
+  decoder, state = started(target, draft, kind, draft_len, 1, used)
+  tparams, config = decoder.target_params, target.config
   keys = jnp.zeros((draft_len, 1, 2), jnp.uint32)
   chunk = jnp.ones((1, draft_len + 1), jnp.int32)
-  draft_logits = jnp.zeros((1, draft_len, target.config.vocab_size), jnp.float32)
-  has_draft = jnp.ones((1,), bool)
+  fixed = Proposal(chunk[:, 1:], jnp.zeros((1, draft_len, config.vocab_size), jnp.float32), jnp.ones((1,), bool))
+
   def propose(s, i):
-    dstate, _, logits, _ = drafter.propose(dparams, tparams, s.drafter_state, s.tokens, s.seq_lens - i % 2,
-                                           keys, sp)
-    return s.replace(drafter_state=dstate), logits.sum()
+    dstate, proposal = decoder.drafter.propose(decoder.drafter_params, tparams, s.drafter_state, s.tokens,
+                                               s.seq_lens - i % 2, keys, s.sampling)
+    return s.replace(drafter_state=dstate), proposal.logits_BxKxV.sum()
 
   def verify_forward(s, i):
     logits, _, cache = model.forward(tparams, chunk, s.seq_lens[:, None] - 1 + jnp.arange(draft_len + 1),
-                                     s.target_cache, target.config)
+                                     s.target_cache, config)
     return s.replace(target_cache=cache.rewind(s.seq_lens - 1)), logits.sum()
 
   def propose_and_ar_step(s, i):
     """A proposal and an AR step that do not depend on each other: what they cost together beyond their
     sum is what the draft's weights and cache cost the target in evicted CPU caches."""
     s, value = propose(s, i)
-    s = decode._autoregressive_step(tparams, target.config, s)
+    s = decode.autoregressive_step(decoder, s)
     return s, value + s.seq_lens.sum()
 
   # Each part returns (state, a value that depends on all its work), so XLA cannot drop any of it; the
   # parts rewind to where they started, so every iteration does the same work.
+  with_lengths = lambda s: (s, s.seq_lens.sum())
   parts = {
-      "round": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(
-          decode._speculative_step(tparams, dparams, target.config, drafter, spec, s)),
-      "ar_step": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(
-          decode._autoregressive_step(tparams, target.config, s)),
-      "verify_step": lambda s, i: (lambda s: (s, s.seq_lens.sum()))(decode._verify_step(
-          tparams, target.config, drafter, dparams, s, chunk[:, 1:], draft_logits, has_draft, keys[0])),
+      "round": lambda s, i: with_lengths(decode.speculative_step(decoder, s)),
+      "ar_step": lambda s, i: with_lengths(decode.autoregressive_step(decoder, s)),
+      "verify_step": lambda s, i: with_lengths(decode.verify_step(decoder, s, fixed, keys[0])),
       "propose": propose, "verify_forward": verify_forward, "propose_and_ar_step": propose_and_ar_step}
 
   def timed(fn):
@@ -323,15 +330,8 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
 
   Both run 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
   """
-  drafter, dparams = drafters.resolve(target, draft, kind, draft_len=1)
-  tparams = model.with_head(target.params)  # as the decode loops read it
-  prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)), jnp.int32)
-  lens = jnp.full((batch,), used, jnp.int32)
-  sp = engine.as_sampling(0.0, 0, 1.0, batch)
-  state = decode.init_state(prompt, lens, lens, sp, jnp.zeros((batch,), jnp.uint32), 512, target.config,
-                            drafter, decode.Speculation(1))
-  hidden, tcache = model.prefill(tparams, target.config, state.target_cache, prompt, lens)
-  dstate = drafter.prefill(dparams, tparams, state.drafter_state, prompt, lens, hidden)
+  decoder, state = started(target, draft, kind, 1, batch, used)
+  tparams, lens = decoder.target_params, state.seq_lens
   keys = jnp.zeros((1, batch, 2), jnp.uint32)
 
   # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
@@ -339,8 +339,9 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   def propose_loop(dstate):
     def body(i, carry):
       acc, dstate = carry
-      dstate, _, logits, _ = drafter.propose(dparams, tparams, dstate, state.tokens, lens - i % 2, keys, sp)
-      return acc + logits[0, 0, 0], dstate
+      dstate, proposal = decoder.drafter.propose(decoder.drafter_params, tparams, dstate, state.tokens,
+                                                 lens - i % 2, keys, state.sampling)
+      return acc + proposal.logits_BxKxV[0, 0, 0], dstate
     return lax.fori_loop(0, 32, body, (jnp.zeros(()), dstate))
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -348,12 +349,11 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
     def body(i, carry):
       acc, cache = carry
       pos = lens[:, None] - 1 - i % 2
-      logits, _, cache = model.forward(tparams, prompt[:, :1], pos, cache.rewind(pos[:, 0]),
-                                      target.config)
+      logits, _, cache = model.forward(tparams, state.tokens[:, :1], pos, cache.rewind(pos[:, 0]), target.config)
       return acc + logits[0, 0, 0], cache
     return lax.fori_loop(0, 32, body, (jnp.zeros(()), cache))
 
-  carried = jax.tree.map(jnp.copy, {"draft": dstate, "target": tcache})  # distinct buffers to donate
+  carried = jax.tree.map(jnp.copy, {"draft": state.drafter_state, "target": state.target_cache})  # to donate
 
   def run(name, fn):
     acc, carried[name] = fn(carried[name])
@@ -362,6 +362,29 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   t = interleaved({"draft": lambda: run("draft", propose_loop), "target": lambda: run("target", target_loop)},
                   repeats)
   return t["draft"] / t["target"]
+
+
+def suite_cost(repeats: int, kinds: list[str], write: bool, draft_len: int = 4) -> dict:
+  """Each shipped drafter's cost model on the shipped target, batch 1: c (`drafter_cost_ratio`), v from the
+  verify of K+1 tokens against one, and o, what a round (`suite_round`) costs beyond 1 + K (c + v).
+  `write` stores them in the checkpoints (`cost_model.json`), where the API and CLI read them."""
+  target = jspec.load(shipped.TARGET)
+  v = (verify_ratio(target, 1, draft_len, repeats) - 1) / draft_len
+  out = {}
+  for kind in kinds:
+    _, draft = shipped_pair(kind)
+    c = drafter_cost_ratio(target, draft, kind, repeats)
+    round_cost = suite_round(repeats, kind, draft_len)["round_in_ar_steps"]
+    cost = CostModel(round(c, 4), round(v, 4), round(max(round_cost - 1 - draft_len * (c + v), 0.0), 4),
+                     target_params=num_params(target.config))
+    out[kind] = {"cost_ratio": cost.cost_ratio, "verify_cost": cost.verify_cost,
+                 "round_overhead": cost.round_overhead, "round_in_ar_steps": round_cost}
+    print(json.dumps({kind: out[kind]}), file=sys.stderr)
+    if write:
+      where = shipped.DRAFTS.get(kind, shipped.TARGET)  # n-gram's cost model lives with the target
+      checkpoint.write_cost_models(where, {**checkpoint.read_cost_models(where), kind: cost})
+  return {"draft_len": draft_len, "target_params": num_params(target.config), "written": write,
+          "cost_models": out}
 
 
 def peak_memory_mb() -> float | None:
@@ -384,12 +407,6 @@ def reset_peak_memory() -> None:
     pathlib.Path("/proc/self/clear_refs").write_text("5")
   except OSError:
     pass
-
-
-def leviathan_speedup(alpha: float, k: int, c: float, verify_cost: float) -> float:
-  """Expected tokens per round, (1 - a^(K+1)) / (1 - a), over a round's cost in target steps, K c + v."""
-  tokens = k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-  return tokens / (k * c + verify_cost)
 
 
 class Progress:
@@ -417,7 +434,7 @@ def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, 
   Every row decodes `max_new` tokens (EOS ignored, as vLLM's benchmarks do), so both sides do the same work
   even when sampling, and row r of the cell samples with seed r: one unlucky draw (an early EOS) can neither
   end a request nor repeat across every prompt."""
-  spec_kw = dict(draft=draft, drafter=kind, draft_len=k)
+  spec_kw = dict(draft=draft, spec=SpecConfig(drafter=kind), draft_len=k)
   kw = dict(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
   first_kw = dict(max_new_tokens=1)  # a request of one token: prefill, one target step, the host's work
   walls, last, compile_s = {"ar": 0.0, "spec": 0.0, "first": 0.0}, {}, 0.0
@@ -426,7 +443,7 @@ def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, 
     def run(name, extra):
       last[name, g] = jspec.generate(target, group, **{**kw, **extra}, seed=g * len(group))
     run("spec", spec_kw)  # the first call compiles (once per prompt bucket); AR compiled in an earlier cell
-    compile_s += last["spec", g].stats["compile_seconds"]
+    compile_s += last["spec", g].stats.compile_seconds
     run("ar", {})
     run("first", first_kw)
     for name, t in interleaved({"ar": lambda: run("ar", {}), "spec": lambda: run("spec", spec_kw),
@@ -434,10 +451,10 @@ def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, 
       walls[name] += t
   stats = [last["spec", g].stats for g in range(len(groups))]
   ar_stats = [last["ar", g].stats for g in range(len(groups))]
-  total = lambda key, st=stats: sum(s[key] for s in st)
+  total = lambda key, st=stats: sum(getattr(s, key) for s in st)
   tokens, rounds, drafted = total("emitted_tokens"), total("rounds"), total("drafted_tokens")
   accepted = total("accepted_tokens")
-  at_k = sum(s["per_position_acceptance"][k - 1] * s["rounds"] for s in stats) if k else 0
+  at_k = sum(s.per_position_acceptance[k - 1] * s.rounds for s in stats) if k else 0
   # alpha, the chance one proposal is accepted: accepted / tested, where the first rejection is tested too.
   tested = accepted + (drafted / k - at_k if k else 0)
   mismatches = sum(last["spec", g].token_ids != last["ar", g].token_ids for g in range(len(groups)))
@@ -452,7 +469,7 @@ def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, 
       "decode_speedup": decode_ar / decode_spec, "before_decode_seconds": walls["first"] - ar_step,
       "acceptance_rate": accepted / drafted if drafted else None, "alpha": accepted / tested if tested else None,
       "tau": tokens / rounds, "plain_forwards": total("plain_forwards"),
-      "per_position_acceptance": [sum(s["per_position_acceptance"][i] * s["rounds"] for s in stats) / rounds
+      "per_position_acceptance": [sum(s.per_position_acceptance[i] * s.rounds for s in stats) / rounds
                                   for i in range(k)],
       # the time of one speculative round in the decode phase, in AR steps (a batched target forward each)
       "round_cost_in_ar_steps": (decode_spec / total("target_forwards"))
@@ -461,21 +478,14 @@ def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, 
       "greedy_outputs_differing_from_ar": mismatches if temperature == 0 else None}
 
 
-def verify_cost(target, batch: int, k: int, repeats: int, used: int = 200) -> float:
-  """A forward of K+1 tokens per row over one of 1 token, batch rows, `used` tokens in the cache."""
+def verify_ratio(target, batch: int, k: int, repeats: int, used: int = 200) -> float:
+  """A forward of K+1 tokens per row over one of 1 token, batch rows, `used` tokens in the cache: 1 + K v
+  in the cost model's terms."""
   tparams = model.with_head(target.params)
   one, _ = step_loop(tparams, target.config, batch, 512, used, 1, True)
   wide, _ = step_loop(tparams, target.config, batch, 512, used, k + 1, True)
   t = interleaved({"one": one, "wide": wide}, repeats)
   return t["wide"] / t["one"]
-
-
-def release_executables() -> None:
-  """Frees every compiled executable: XLA:CPU maps each one's code, and a few hundred compiles in one process
-  run out of memory mappings ("LLVM compilation error: Cannot allocate memory")."""
-  engine.clear_cache()
-  jax.clear_caches()
-  gc.collect()
 
 
 def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int], temperatures: list[float],
@@ -498,33 +508,34 @@ def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int],
     out["verify_cost"][b] = {}
     for k in draft_lens:
       progress.step(f"verify cost: b={b} K={k}")
-      out["verify_cost"][b][k] = verify_cost(target, b, k, repeats)
+      out["verify_cost"][b][k] = verify_ratio(target, b, k, repeats)
   for kind, b, t, k in plan:
     progress.step(f"{kind} b={b} T={t} K={k}")
     rows = [prompts[(i + j) % len(prompts)] for i in range(0, max(len(prompts), b), b) for j in range(b)]
     row = {"drafter": kind, "batch": b, "temperature": t, "draft_len": k,
            **cell(target, drafts[kind], kind, [rows[i:i + b] for i in range(0, len(rows), b)], t, k, max_new,
                   repeats)}
-    c, v = out["drafters"][kind]["c"][b], out["verify_cost"][b][k]
-    row["predicted_speedup"] = None if row["alpha"] is None else leviathan_speedup(row["alpha"], k, c, v)
+    c, v = out["drafters"][kind]["c"][b], (out["verify_cost"][b][k] - 1) / k
+    row["predicted_speedup"] = None if row["alpha"] is None else float(
+        adaptive.expected_speedup(jnp.full((k,), row["alpha"]), c, v)[-1])  # Leviathan's bound
     row["engine_efficiency"] = None if row["alpha"] is None else row["decode_speedup"] / row["predicted_speedup"]
-    row["round_cost_predicted"] = k * c + v
+    row["round_cost_predicted"] = 1 + k * (c + v)
     out["cells"].append(row)
     save(out)
-    release_executables()
+    engine.release_executables()
   progress.close()
   return out
 
 
 def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
   """Adaptive K (K_max 6) against every fixed K on code, and fallback on prose, each against AR, batch 1,
-  greedy, interleaved per prompt."""
-  c = cli.SHIPPED_COST_RATIO[kind]
-  variants = {f"fixed{k}": dict(draft_len=k) for k in (2, 3, 4, 5, 6)}
-  v, o = cli.SHIPPED_VERIFY_COST, cli.SHIPPED_ROUND_OVERHEAD[kind]
-  costs = dict(cost_ratio=c, verify_cost=v, round_overhead=o)
-  variants["adaptive"] = dict(draft_len=6, adaptive=True, **costs)
-  variants["adaptive_no_fallback"] = dict(draft_len=6, adaptive=True, fallback_threshold=0.0, **costs)
+  greedy, interleaved per prompt, with the drafter's measured cost model (from its checkpoint)."""
+  variants = {f"fixed{k}": dict(draft_len=k, spec=SpecConfig(drafter=kind)) for k in (2, 3, 4, 5, 6)}
+  variants["adaptive"] = dict(draft_len=6, spec=SpecConfig(drafter=kind, adaptive=AdaptiveConfig()))
+  variants["adaptive_no_fallback"] = dict(draft_len=6, spec=SpecConfig(
+      drafter=kind, adaptive=AdaptiveConfig(fallback_threshold=0.0)))
+  cost = pairing.make_decoder(target, draft, variants["adaptive"]["spec"], 1).spec.adaptive.cost
+  costs = dict(cost_ratio=cost.cost_ratio, verify_cost=cost.verify_cost, round_overhead=cost.round_overhead)
   out = {"drafter": kind, **costs, "max_new_tokens": max_new, "sets": {}}
   for name, prompts in [("code", heldout_prompts(prompts_per_set)), ("prose", prose_prompts(prompts_per_set))]:
     walls = {k: 0.0 for k in ["ar", *variants]}
@@ -532,22 +543,22 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
     for p in prompts:
       fns = {"ar": lambda: jspec.generate(target, [p], max_new_tokens=max_new)}
       for v, kw in variants.items():
-        fns[v] = lambda kw=kw: jspec.generate(target, [p], draft=draft, drafter=kind, max_new_tokens=max_new, **kw)
+        fns[v] = lambda kw=kw: jspec.generate(target, [p], draft=draft, max_new_tokens=max_new, **kw)
       for k, t in interleaved(fns, repeats).items():
         walls[k] += t
       for v, kw in variants.items():
-        stats[v].append(jspec.generate(target, [p], draft=draft, drafter=kind, max_new_tokens=max_new, **kw).stats)
+        stats[v].append(jspec.generate(target, [p], draft=draft, max_new_tokens=max_new, **kw).stats)
     rows = {}
     for v in variants:
       st = stats[v]
       counts = {}
       for s in st:
-        for k, n in s["draft_len_counts"].items():
+        for k, n in s.draft_len_counts.items():
           counts[k] = counts.get(k, 0) + n
       rows[v] = {"speedup_over_ar": walls["ar"] / walls[v],
-                 "tau": sum(s["emitted_tokens"] for s in st) / sum(s["rounds"] for s in st),
-                 "fallback_rounds": sum(s["fallback_rounds"] for s in st),
-                 "probe_rounds": sum(s["probe_rounds"] for s in st), "draft_len_counts": counts}
+                 "tau": sum(s.emitted_tokens for s in st) / sum(s.rounds for s in st),
+                 "fallback_rounds": sum(s.fallback_rounds for s in st),
+                 "probe_rounds": sum(s.probe_rounds for s in st), "draft_len_counts": counts}
     best_fixed = max((v for v in variants if v.startswith("fixed")), key=lambda v: rows[v]["speedup_over_ar"])
     # The cost model's calibration: a round of K drafts took tau / speedup AR steps; fit 1 + o + K (c + v).
     ks = [int(v[5:]) for v in variants if v.startswith("fixed")]
@@ -569,7 +580,9 @@ def floats(text: str) -> list[float]:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill"], default="sweep")
+  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill", "cost"],
+                  default="sweep")
+  ap.add_argument("--write", action="store_true", help="--suite cost: store the cost models in the checkpoints")
   ap.add_argument("--quick", action="store_true", help="a smoke run of the sweep on tiny random models (CI)")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
@@ -600,15 +613,14 @@ def main() -> int:
     result = suite_prefill(args.repeats)
   elif args.suite == "round":
     result = {"rounds": [suite_round(args.repeats, kind) for kind in args.drafters.split(",")]}
+  elif args.suite == "cost":
+    result = suite_cost(args.repeats, args.drafters.split(","), args.write)
   elif args.suite == "adaptive":
     kind = args.drafters.split(",")[0]
-    target = jspec.load(cli.DEFAULT_TARGET)
-    draft = jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
-    result = suite_adaptive(target, draft, kind, args.max_new_tokens, args.repeats, args.prompts)
+    result = suite_adaptive(*shipped_pair(kind), kind, args.max_new_tokens, args.repeats, args.prompts)
   else:
-    target = jspec.load(cli.DEFAULT_TARGET)
-    drafts = {kind: jspec.load(cli.SHIPPED_DRAFTS[kind]) if kind in cli.SHIPPED_DRAFTS else None
-              for kind in args.drafters.split(",")}
+    target = jspec.load(shipped.TARGET)
+    drafts = {kind: shipped_pair(kind)[1] for kind in args.drafters.split(",")}
     result = {"sets": {}}
     for name in args.prompt_sets.split(","):
       print(f"prompt set {name}", file=sys.stderr)
@@ -621,7 +633,7 @@ def main() -> int:
                                          args.repeats, save)
     if args.with_hf:
       import bench_hf
-      result["hf"] = bench_hf.compare(cli.DEFAULT_TARGET, cli.SHIPPED_DRAFTS["model"],
+      result["hf"] = bench_hf.compare(shipped.TARGET, shipped.DRAFTS["model"],
                                       PROMPT_SETS["code"](args.prompts), args.max_new_tokens, args.repeats,
                                       out_dir / "hf")
   result = {"suite": "quick" if args.quick else args.suite, "command": " ".join(sys.argv), "jax": jax.__version__,
@@ -632,7 +644,8 @@ def main() -> int:
     (out_dir / "bench.md").write_text(bench_report.markdown(result))
     bench_report.plots(result, out_dir)
   print(json.dumps({k: v for k, v in result.items() if k not in ("sets",)}, indent=2))
-  print(f"wrote {out_dir}/bench.json" + (", bench.md and plots" if result["suite"] in ("sweep", "quick") else ""), file=sys.stderr)
+  plots = ", bench.md and plots" if result["suite"] in ("sweep", "quick") else ""
+  print(f"wrote {out_dir}/bench.json{plots}", file=sys.stderr)
   return 0
 
 
@@ -642,7 +655,7 @@ def machine() -> dict:
   import platform
   cpu = platform.processor() or platform.machine()
   try:
-    cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name"))
   except (OSError, StopIteration):
     pass
   return {"platform": platform.platform(), "processor": cpu, "cpus": os.cpu_count(),

@@ -11,9 +11,10 @@ import pathlib
 import subprocess
 import sys
 
+from bench import interleaved
+
 import jspec
 from jspec.tokenizer import encode
-from bench import interleaved
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -51,7 +52,7 @@ def compare(target_dir, draft_dir, prompts: list[str], max_new: int, repeats: in
       out[name] = jspec.generate(target, [ids], max_new_tokens=max_new, **kw).token_ids[0]
 
     fns = {"hf_assisted": lambda: hf("hf_assisted", assistant_model=hf_draft), "hf_plain": lambda: hf("hf_plain"),
-           "jspec_spec": lambda: ours("jspec_spec", draft=draft, drafter="model", draft_len=draft_len),
+           "jspec_spec": lambda: ours("jspec_spec", draft=draft, draft_len=draft_len),
            "jspec_plain": lambda: ours("jspec_plain")}
     # HF and jspec hold separate copies of the weights, each about the size of this CPU's L3 cache: every
     # timed call follows an untimed one of its own, so neither runs on the other's evicted weights.
@@ -61,6 +62,7 @@ def compare(target_dir, draft_dir, prompts: list[str], max_new: int, repeats: in
     identical += len({tuple(v) for v in out.values()}) == 1
   rate = {f"{name}_tokens_per_second": tokens[name] / walls[name] for name in walls}
   return {"prompts": len(prompts), "max_new_tokens": max_new, "jspec_draft_len": draft_len,
-          "transformers": transformers.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-          **rate, "jspec_over_hf_assisted": rate["jspec_spec_tokens_per_second"] / rate["hf_assisted_tokens_per_second"],
+          "transformers": transformers.__version__, "torch": torch.__version__,
+          "torch_threads": torch.get_num_threads(), **rate,
+          "jspec_over_hf_assisted": rate["jspec_spec_tokens_per_second"] / rate["hf_assisted_tokens_per_second"],
           "greedy_tokens_identical": f"{identical}/{len(prompts)}"}

@@ -159,7 +159,8 @@ def plots(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
       cs = [c for c in cells if c["drafter"] == kind and c["batch"] == batch1 and c["temperature"] == greedy]
       if cs:
         c = max(cs, key=lambda c: c["draft_len"])
-        ax.plot(range(1, c["draft_len"] + 1), c["per_position_acceptance"], marker="o", label=f"{kind} (K={c['draft_len']})")
+        ax.plot(range(1, c["draft_len"] + 1), c["per_position_acceptance"], marker="o",
+                label=f"{kind} (K={c['draft_len']})")
     ax.set(xlabel="draft position", ylabel="share of rounds accepted", ylim=(0, 1),
            title=f"per-position acceptance, batch {batch1}, T={greedy}")
     ax.legend()

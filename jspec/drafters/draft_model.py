@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from jspec import cache as kvcache
 from jspec import model
-from jspec.control import run_if
 from jspec.config import ModelConfig
-from jspec.drafters.base import draft_chain
+from jspec.control import run_if
+from jspec.drafters.base import Proposal, draft_chain
 from jspec.sampling import SamplingParams
 
 
@@ -26,21 +26,24 @@ class ModelDrafter:
   config: ModelConfig
   max_lag: int = 1  # most tokens the cache may trail the text by at the start of a round
   kind: str = "model"
+  can_skip_rounds = False
 
   def init(self, batch: int, capacity: int, draft_len: int) -> kvcache.KVCache:
     return kvcache.init_cache(self.config, batch, capacity)
 
   def prefill(self, params, target_params, cache, prompts_BxP, prompt_lens_B, hidden_BxPxD):
-    return model.prefill(params, self.config, cache, prompts_BxP, prompt_lens_B)[1]
+    # Like the target's, the cache holds all but the last prompt token, which the first round feeds.
+    return model.prefill(params, self.config, cache, prompts_BxP, prompt_lens_B)[1].rewind(prompt_lens_B - 1)
 
-  def propose(self, params, target_params, cache: kvcache.KVCache, tokens_BxL: jax.Array,
-              seq_lens_B: jax.Array, keys_GxBx2: jax.Array, sampling: SamplingParams):
+  def propose(self, params, target_params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
+              seq_lens_B: jax.Array, keys_KxBx2: jax.Array,
+              sampling: SamplingParams) -> tuple[kvcache.KVCache, Proposal]:
     n = seq_lens_B
     d = cache.lengths
 
     def catch_up(width, cache):
       span = d[:, None] + jnp.arange(width)
-      _, hidden, c = model.forward(params, jnp.take_along_axis(tokens_BxL, span, axis=1), span, cache,
+      _, hidden, c = model.forward(params, jnp.take_along_axis(tokens_BxT, span, axis=1), span, cache,
                                    self.config)
       # Only slot n-1's logits are needed: the LM head runs on one row (its unused logits are dropped).
       hidden_Bx1xD = jnp.take_along_axis(hidden, (n - 1 - d)[:, None, None], axis=1)
@@ -59,11 +62,10 @@ class ModelDrafter:
       logits, _, cache = model.forward(params, token_B[:, None], cache.lengths[:, None], cache, self.config)
       return cache, logits[:, 0]
 
-    cache, tokens_BxG, logits_BxGxV = draft_chain(step, cache, logits_BxV, keys_GxBx2, sampling)
-    return cache, tokens_BxG, logits_BxGxV, jnp.ones(n.shape, bool)
+    return draft_chain(step, cache, logits_BxV, keys_KxBx2, sampling)
 
-  def observe(self, params, target_params, cache: kvcache.KVCache, tokens_BxL, hidden_BxSxD, n_B,
+  def observe(self, params, target_params, cache: kvcache.KVCache, tokens_BxT, hidden_BxSxD, n_B,
               new_n_B) -> kvcache.KVCache:
-    # After a round the draft holds its proposals up to slot n+G-2: keep what the accepted text shares with
+    # After a round the draft holds its proposals up to slot n+K-2: keep what the accepted text shares with
     # them. After a plain step it holds what it held, which now trails the text by one more token.
     return cache.rewind(jnp.minimum(cache.lengths, new_n_B - 1))

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jspec import attention
+from jspec import attention, losses, model
 from jspec import cache as kvcache
-from jspec import model
 from jspec.config import ModelConfig
-from jspec.drafters.base import Features, draft_chain
+from jspec.drafters.base import Features, Proposal, draft_chain
 from jspec.sampling import SamplingParams
+
 
 @flax.struct.dataclass
 class EagleState:
@@ -38,6 +38,7 @@ class EagleState:
 class EagleDrafter:
   config: ModelConfig  # the target's shape with one layer (its own mlp_dim allowed)
   kind: str = "eagle"
+  can_skip_rounds = False
 
   def init_params(self, key: jax.Array) -> dict:
     layer_key, fc_key = jax.random.split(key)
@@ -72,20 +73,20 @@ class EagleDrafter:
     features = Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.features.feats_BxCxD.shape[1])
     return EagleState(cache.rewind(features.start_B), features)
 
-  def _catch_up(self, params, target_params, state: EagleState, tokens_BxL, n_B):
+  def _catch_up(self, params, target_params, state: EagleState, tokens_BxT, n_B):
     """Feeds the kept real features; returns the predicted feature of position n-1 and the cache at n-1."""
     feats = state.features
     width = feats.feats_BxCxD.shape[1]
     positions = feats.start_B[:, None] + jnp.arange(width)
-    next_tokens = jnp.take_along_axis(tokens_BxL, jnp.minimum(positions + 1, tokens_BxL.shape[1] - 1), axis=1)
+    next_tokens = jnp.take_along_axis(tokens_BxT, jnp.minimum(positions + 1, tokens_BxT.shape[1] - 1), axis=1)
     pred_BxCxD, cache = self.step(params, target_params, state.cache, feats.feats_BxCxD, next_tokens, positions)
     at = jnp.clip(n_B - 2 - feats.start_B, 0, width - 1)
     return jnp.take_along_axis(pred_BxCxD, at[:, None, None], axis=1)[:, 0], cache.rewind(jnp.maximum(n_B - 1, 0))
 
-  def propose(self, params, target_params, state: EagleState, tokens_BxL, seq_lens_B, keys_GxBx2,
-              sampling: SamplingParams):
+  def propose(self, params, target_params, state: EagleState, tokens_BxT, seq_lens_B, keys_KxBx2,
+              sampling: SamplingParams) -> tuple[EagleState, Proposal]:
     n, feats = seq_lens_B, state.features
-    feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxL, n)
+    feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxT, n)
     logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None])[:, 0]
 
     def step(carry, token_B):
@@ -94,15 +95,14 @@ class EagleDrafter:
                                  cache.lengths[:, None])
       return (cache, feature[:, 0]), model.logits_from_hidden(target_params, feature)[:, 0]
 
-    (cache, _), tokens_BxG, logits_BxGxV = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_GxBx2,
-                                                       sampling)
-    return EagleState(cache, feats), tokens_BxG, logits_BxGxV, jnp.ones(n.shape, bool)
+    (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, sampling)
+    return EagleState(cache, feats), proposal
 
-  def observe(self, params, target_params, state: EagleState, tokens_BxL, hidden_BxSxD, n_B,
+  def observe(self, params, target_params, state: EagleState, tokens_BxT, hidden_BxSxD, n_B,
               new_n_B) -> EagleState:
     cache = state.cache
     if hidden_BxSxD.shape[1] == 1:  # a plain step: nothing was proposed, so feed what is pending first
-      cache = self._catch_up(params, target_params, state, tokens_BxL, n_B)[1]
+      cache = self._catch_up(params, target_params, state, tokens_BxT, n_B)[1]
     features = state.features.update(hidden_BxSxD, n_B)
     return EagleState(cache.rewind(features.start_B), features)
 
@@ -119,7 +119,6 @@ class EagleDrafter:
     x = model.decoder(params, x, positions, self.config, lambda i, q, k, v: attention.causal_attention(q, k, v))
     pred = self._features(params, x).astype(jnp.float32)
     regression = jnp.mean(optax.huber_loss(pred, hidden_BxSxD[:, 1:].astype(jnp.float32)))  # smooth L1
-    logq = jax.nn.log_softmax(model.logits_from_hidden(target_params, pred), -1)
-    logp = jax.nn.log_softmax(target_logits_BxSxV[:, 1:], -1)
-    return feature_weight * regression + jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1))
+    return feature_weight * regression + losses.kl(target_logits_BxSxV[:, 1:],
+                                                   model.logits_from_hidden(target_params, pred))
 

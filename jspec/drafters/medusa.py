@@ -12,42 +12,43 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec import model
+from jspec import losses, model
 from jspec.config import ModelConfig
-from jspec.drafters.base import Features
+from jspec.drafters.base import Features, Proposal
 from jspec.sampling import SamplingParams, next_token
 
 
 @dataclasses.dataclass(frozen=True)
 class MedusaDrafter:
-  target_config: ModelConfig
+  config: ModelConfig  # the target's: the heads work at its width and share its LM head
   num_heads: int
   kind: str = "medusa"
+  can_skip_rounds = False
 
   def init_params(self, key: jax.Array | None = None) -> dict:
-    d, dtype = self.target_config.dim, self.target_config.jnp_dtype
+    d, dtype = self.config.dim, self.config.jnp_dtype
     return {"w": jnp.zeros((self.num_heads, d, d), dtype), "b": jnp.zeros((self.num_heads, d), dtype)}
 
-  def head_features(self, params: dict, feature_BxTxD: jax.Array, heads: int) -> jax.Array:
-    """The first `heads` heads applied to every feature: [B,T,heads,D]."""
-    x = feature_BxTxD[:, :, None, :]
-    return x + jax.nn.silu(jnp.einsum("btd,kde->btke", feature_BxTxD, params["w"][:heads]) + params["b"][:heads])
+  def head_features(self, params: dict, feature_BxSxD: jax.Array, heads: int) -> jax.Array:
+    """The first `heads` heads applied to every feature: [B,S,heads,D]."""
+    x = feature_BxSxD[:, :, None, :]
+    return x + jax.nn.silu(jnp.einsum("btd,kde->btke", feature_BxSxD, params["w"][:heads]) + params["b"][:heads])
 
   def init(self, batch: int, capacity: int, draft_len: int) -> Features:
-    return Features.zeros(batch, draft_len + 1, self.target_config.dim, self.target_config.jnp_dtype)
+    return Features.zeros(batch, draft_len + 1, self.config.dim, self.config.jnp_dtype)
 
   def prefill(self, params, target_params, state: Features, prompts_BxP, prompt_lens_B, hidden_BxPxD):
     return Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.feats_BxCxD.shape[1])
 
-  def propose(self, params, target_params, state: Features, tokens_BxL, seq_lens_B, keys_GxBx2,
-              sampling: SamplingParams):
-    num = keys_GxBx2.shape[0]
-    heads_BxGxD = self.head_features(params, state.last(seq_lens_B)[:, None], num)[:, 0]
-    logits_BxGxV = model.logits_from_hidden(target_params, heads_BxGxD)
-    tokens_BxG = jnp.stack([next_token(keys_GxBx2[i], logits_BxGxV[:, i], sampling) for i in range(num)], 1)
-    return state, tokens_BxG, logits_BxGxV, jnp.ones(seq_lens_B.shape, bool)
+  def propose(self, params, target_params, state: Features, tokens_BxT, seq_lens_B, keys_KxBx2,
+              sampling: SamplingParams) -> tuple[Features, Proposal]:
+    num = keys_KxBx2.shape[0]
+    heads_BxKxD = self.head_features(params, state.last(seq_lens_B)[:, None], num)[:, 0]
+    logits_BxKxV = model.logits_from_hidden(target_params, heads_BxKxD)
+    tokens_BxK = jnp.stack([next_token(keys_KxBx2[i], logits_BxKxV[:, i], sampling) for i in range(num)], 1)
+    return state, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(seq_lens_B.shape, bool))
 
-  def observe(self, params, target_params, state: Features, tokens_BxL, hidden_BxSxD, n_B, new_n_B) -> Features:
+  def observe(self, params, target_params, state: Features, tokens_BxT, hidden_BxSxD, n_B, new_n_B) -> Features:
     return state.update(hidden_BxSxD, n_B)
 
   def loss(self, params: dict, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
@@ -58,7 +59,6 @@ class MedusaDrafter:
     total = 0.0
     for k in range(self.num_heads):
       shift = k + 1
-      logq = jax.nn.log_softmax(model.logits_from_hidden(target_params, heads[:, :seq - shift, k]), -1)
-      logp = jax.nn.log_softmax(target_logits_BxSxV[:, shift:], -1)
-      total = total + jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1))
+      total = total + losses.kl(target_logits_BxSxV[:, shift:],
+                                model.logits_from_hidden(target_params, heads[:, :seq - shift, k]))
     return total / self.num_heads

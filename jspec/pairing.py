@@ -1,0 +1,68 @@
+"""A target and a draft made into one `Decoder`: which drafter, whether the draft fits the target, and the
+cost model adaptive speculation uses."""
+from __future__ import annotations
+
+import dataclasses
+
+from jspec.config import num_params
+from jspec.decode import Decoder
+from jspec.drafters import Heads, ModelDrafter, NgramDrafter
+from jspec.model import Model
+from jspec.settings import CostModel, SpecConfig
+from jspec.tokenizer import same_vocab
+
+
+def drafter_kind(draft: Model | Heads) -> str:
+  return "model" if isinstance(draft, Model) else draft.drafter.kind
+
+
+def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | None, batch: int) -> Decoder:
+  """The decoder for a batch of `batch` rows. Plain decoding when neither a draft nor `spec.drafter` is
+  given, or when the batch reaches `spec.disable_at_batch_size`. Mismatches are one-line ValueErrors."""
+  spec = spec or SpecConfig()
+  plain = Decoder(target.params, target_config=target.config)
+  kind = spec.drafter
+  if kind == "ngram" or (kind is None and draft is None):
+    if draft is not None:
+      raise ValueError("the ngram drafter takes no draft weights")
+    if kind is None:
+      return plain
+    drafter, params = NgramDrafter(target.config.vocab_size, spec.max_ngram), None
+    measured = target.cost_models.get(kind)
+  else:
+    if draft is None:
+      raise ValueError(f"the {kind} drafter needs draft weights")
+    if kind is not None and kind != drafter_kind(draft):
+      raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
+    kind = drafter_kind(draft)
+    _check_fit(target, draft, spec)
+    drafter = ModelDrafter(draft.config) if kind == "model" else draft.drafter
+    params, measured = draft.params, draft.cost_models.get(kind)
+  if spec.disable_at_batch_size is not None and batch >= spec.disable_at_batch_size:
+    return plain  # vLLM's rule: large batches gain little from speculation
+  policy = spec.adaptive
+  if policy is not None:
+    if measured is None or measured.target_params not in (None, num_params(target.config)):
+      measured = CostModel.neutral(kind)
+    policy = policy.with_costs(measured)
+    if kind == "model" and policy.fallback_threshold > 0:  # plain steps leave the draft behind
+      drafter = dataclasses.replace(drafter, max_lag=policy.probe_interval + 1)
+  spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)
+  return Decoder(target.params, params, target_config=target.config, drafter=drafter, spec=spec)
+
+
+def _check_fit(target: Model, draft: Model | Heads, spec: SpecConfig) -> None:
+  kind = drafter_kind(draft)
+  if kind == "model":
+    if draft.config.vocab_size != target.config.vocab_size:
+      raise ValueError(f"draft vocab size {draft.config.vocab_size} differs from the target's "
+                       f"{target.config.vocab_size}")
+    if not same_vocab(draft.tokenizer, target.tokenizer):
+      raise ValueError("the draft's tokenizer differs from the target's")
+    return
+  shape = draft.drafter.config
+  if (shape.dim, shape.vocab_size) != (target.config.dim, target.config.vocab_size):
+    raise ValueError(f"these {kind} heads were trained for a target of width {shape.dim} and vocab "
+                     f"{shape.vocab_size}, not {target.config.dim} and {target.config.vocab_size}")
+  if kind == "medusa" and spec.draft_len > draft.drafter.num_heads:
+    raise ValueError(f"draft_len {spec.draft_len} exceeds the {draft.drafter.num_heads} Medusa heads")

@@ -1,0 +1,145 @@
+"""Request settings: sampling, speculation and its adaptive policy, and a drafter's cost model.
+
+Frozen, hashable dataclasses that validate themselves, so every value a user can pass is checked in one
+place (a bad one is a one-line ValueError). This module imports no JAX: the command line reads its defaults
+and choices to print `--help` at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+# The drafters jspec has; `jspec.drafters` implements one class for each.
+DRAFTERS = ("model", "medusa", "eagle", "ngram")
+# The longest draft a request may ask for. Every K up to it is its own compiled branch under adaptive
+# speculation, and past about 8 the draft's later tokens are almost never accepted.
+MAX_DRAFT_LEN = 16
+MAX_NGRAM = 8
+
+
+def _check(ok: bool, message: str) -> None:
+  if not ok:
+    raise ValueError(message)
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How each token is drawn from the target's distribution. temperature 0 is greedy; top_k 0 and
+  top_p 1 are off."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    _check(_is_real(self.temperature) and self.temperature >= 0,
+           f"temperature must be a finite number >= 0, got {self.temperature}")
+    _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k}")
+    _check(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """A speculative round's cost in target steps, 1 + o + K (c + v) (see `jspec.adaptive`).
+
+  c (`cost_ratio`): one draft step over one target step; v (`verify_cost`): what each extra verified token
+  adds to a target forward; o (`round_overhead`): a round's time beyond its forwards. `tools/bench.py
+  --suite cost --write` measures them for a pair and stores them with the drafter's checkpoint, noting
+  the target's parameter count: a measured cost model applies only to a target of that size.
+  """
+  cost_ratio: float
+  verify_cost: float = 0.0
+  round_overhead: float = 0.0
+  target_params: int | None = None  # the target it was measured with; None: any
+
+  def __post_init__(self):
+    for name in ("cost_ratio", "verify_cost", "round_overhead"):
+      value = getattr(self, name)
+      _check(_is_real(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
+    _check(self.target_params is None or _is_int(self.target_params),
+           f"target_params must be an integer, got {self.target_params}")
+
+  @classmethod
+  def neutral(cls, drafter: str) -> CostModel:
+    """What an unmeasured drafter is assumed to cost: c = 0.1 (0 for n-gram, which reads no weights),
+    v = o = 0."""
+    return cls(cost_ratio=0.0 if drafter == "ngram" else 0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveConfig:
+  """Adaptive speculation: each round's K (up to `SpecConfig.draft_len`) or a plain step, chosen inside
+  the loop from carried acceptance statistics (see `jspec.adaptive`).
+
+  The cost model's fields left None come from the drafter's measured cost model, when its checkpoint has
+  one for this target, else from `CostModel.neutral`.
+  """
+  cost_ratio: float | None = None
+  verify_cost: float | None = None
+  round_overhead: float | None = None
+  fallback_threshold: float = 0.4  # plain steps while the windowed acceptance is below it; 0: never
+  probe_interval: int = 16  # plain steps between speculative probes during fallback
+  window: int = 8  # W: speculative rounds in the rolling acceptance window
+  initial_draft_len: int = 4  # K until any row has data
+
+  def __post_init__(self):
+    for name in ("cost_ratio", "verify_cost", "round_overhead"):
+      value = getattr(self, name)
+      _check(value is None or (_is_real(value) and value >= 0),
+             f"{name} must be a finite number >= 0, got {value}")
+    _check(_is_real(self.fallback_threshold) and 0 <= self.fallback_threshold <= 1,
+           f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
+    for name in ("probe_interval", "window", "initial_draft_len"):
+      value = getattr(self, name)
+      _check(_is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value}")
+
+  @property
+  def cost(self) -> CostModel:
+    """The cost model, once every field is set (`with_costs`)."""
+    return CostModel(self.cost_ratio, self.verify_cost, self.round_overhead)
+
+  def with_costs(self, measured: CostModel) -> AdaptiveConfig:
+    """This policy with its unset cost fields taken from `measured`."""
+    pick = lambda name: getattr(self, name) if getattr(self, name) is not None else getattr(measured, name)
+    return dataclasses.replace(self, cost_ratio=pick("cost_ratio"), verify_cost=pick("verify_cost"),
+                               round_overhead=pick("round_overhead"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """How to speculate. Static: part of the compiled program, so requests that share it share executables.
+
+  `drafter` names the kind ("model", "medusa", "eagle", "ngram"); it may be left None when the draft's
+  weights imply it. `typical_acceptance` swaps exact rejection sampling for Medusa's typical acceptance,
+  which is LOSSY when sampling (greedy output is unchanged). `adaptive` chooses K per round (None: every
+  round drafts `draft_len`). Batches of `disable_at_batch_size` rows or more decode plainly (vLLM's
+  rule). `trace_rounds` records the first R adaptive decisions in the statistics.
+  """
+  draft_len: int = 4
+  drafter: str | None = None
+  max_ngram: int = 3
+  typical_acceptance: bool = False
+  adaptive: AdaptiveConfig | None = None
+  disable_at_batch_size: int | None = None
+  trace_rounds: int = 0
+
+  def __post_init__(self):
+    _check(_is_int(self.draft_len) and 1 <= self.draft_len <= MAX_DRAFT_LEN,
+           f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}], got {self.draft_len}")
+    _check(self.drafter is None or self.drafter in DRAFTERS,
+           f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    _check(_is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM,
+           f"max_ngram must be an integer in [1, {MAX_NGRAM}], got {self.max_ngram}")
+    _check(self.disable_at_batch_size is None or (_is_int(self.disable_at_batch_size)
+                                                  and self.disable_at_batch_size >= 1),
+           f"disable_at_batch_size must be an integer >= 1, got {self.disable_at_batch_size}")
+    _check(_is_int(self.trace_rounds) and self.trace_rounds >= 0,
+           f"trace_rounds must be an integer >= 0, got {self.trace_rounds}")

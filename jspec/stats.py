@@ -1,0 +1,138 @@
+"""Decoding statistics: counters carried on device through the loop, and their summary on the host.
+
+`DecodeStats` is a pytree the loop updates through its methods, one per kind of event; `Stats` is what a
+request reports (`Result.stats`, and the CLI's JSON through `to_dict`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import adaptive
+
+
+@flax.struct.dataclass
+class DecodeStats:
+  """Counters over active rows. A "round" is one row taking part in one target forward."""
+  rounds: jax.Array
+  target_forwards: jax.Array  # batched target forwards in the loop (prefill not counted)
+  draft_forwards: jax.Array  # drafting steps in the loop (batched)
+  plain_forwards: jax.Array  # target forwards in the speculative loop that verified no draft
+  drafted: jax.Array
+  accepted: jax.Array
+  accepted_at_K: jax.Array  # rounds whose draft token at position i was accepted
+  emitted: jax.Array
+  draft_len_counts_K1: jax.Array  # batched rounds that drafted k tokens (k = 0: a plain step)
+  fallback_rounds: jax.Array  # adaptive: plain steps chosen because acceptance fell below the threshold
+  probe_rounds: jax.Array  # adaptive: speculative rounds run during fallback to re-measure
+  acceptance: adaptive.Acceptance  # per-row EWMA and window of the per-token acceptance rate
+  trace_Rx4: jax.Array  # per round: K, row 0's accepted drafts, its window and EWMA rates
+
+  @classmethod
+  def zeros(cls, batch: int, draft_len: int, window: int, trace_rounds: int = 0) -> DecodeStats:
+    z = jnp.zeros((), jnp.int32)
+    return cls(rounds=z, target_forwards=z, draft_forwards=z, plain_forwards=z, drafted=z, accepted=z,
+               accepted_at_K=jnp.zeros((draft_len,), jnp.int32), emitted=z,
+               draft_len_counts_K1=jnp.zeros((draft_len + 1,), jnp.int32), fallback_rounds=z, probe_rounds=z,
+               acceptance=adaptive.Acceptance.zeros(batch, window, draft_len),
+               trace_Rx4=jnp.full((trace_rounds, 4), jnp.nan, jnp.float32))
+
+  def count_forward(self, active_B: jax.Array, num_new_B: jax.Array) -> DecodeStats:
+    """One batched target forward in which the active rows emitted `num_new_B` tokens."""
+    return self.replace(rounds=self.rounds + active_B.sum(), target_forwards=self.target_forwards + 1,
+                        emitted=self.emitted + num_new_B.sum())
+
+  def count_verify(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len: int) -> DecodeStats:
+    """A verify of `draft_len` proposals; rows not counted (done, or without a proposal) test nothing."""
+    accepted_BxK = counted_B[:, None] & (jnp.arange(draft_len) < n_accepted_B[:, None])
+    return self.replace(
+        draft_forwards=self.draft_forwards + draft_len, drafted=self.drafted + draft_len * counted_B.sum(),
+        accepted=self.accepted + jnp.where(counted_B, n_accepted_B, 0).sum(),
+        accepted_at_K=self.accepted_at_K.at[:draft_len].add(accepted_BxK.sum(0)),
+        acceptance=self.acceptance.record(counted_B, n_accepted_B, draft_len))
+
+  def count_plain(self) -> DecodeStats:
+    """A target step in the speculative loop that verified no proposal."""
+    return self.replace(plain_forwards=self.plain_forwards + 1, acceptance=self.acceptance.after_plain_round())
+
+  def count_schedule(self, draft_len: jax.Array | int, probe: jax.Array | bool = False) -> DecodeStats:
+    """The round's scheduled K (0: an adaptive plain step) and whether it was a probe during fallback."""
+    return self.replace(draft_len_counts_K1=self.draft_len_counts_K1.at[draft_len].add(1),
+                        fallback_rounds=self.fallback_rounds + (draft_len == 0),
+                        probe_rounds=self.probe_rounds + probe)
+
+  def record_trace(self, draft_len: jax.Array, row0_accepted: jax.Array) -> DecodeStats:
+    """Writes this round's decision into the trace (a no-op once it is full)."""
+    acc = self.acceptance
+    row = jnp.stack([draft_len, jnp.where(draft_len > 0, row0_accepted, jnp.nan), acc.window_rate[0],
+                     acc.ewma_rate[0]]).astype(jnp.float32)
+    return self.replace(trace_Rx4=self.trace_Rx4.at[self.target_forwards - 1].set(row, mode="drop"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  """What one request reports. `to_dict()` is the `stats` object of the CLI's JSON."""
+  drafter: str | None  # which drafter ran; None for plain decoding
+  verify: str | None  # "exact rejection sampling", or "typical acceptance (lossy)"
+  lossy: bool
+  acceptance_rate: float | None  # accepted / drafted
+  mean_accepted_length: float | None  # tau: tokens emitted per row per target forward
+  rounds: int  # row-rounds: one row taking part in one target forward
+  target_forwards: int  # batched target forwards in the loop (prefill not counted)
+  draft_forwards: int
+  plain_forwards: int  # target forwards in the speculative loop that verified nothing
+  drafted_tokens: int
+  accepted_tokens: int
+  emitted_tokens: int
+  per_position_acceptance: list[float]  # share of rounds whose i-th draft was accepted
+  acceptance_ewma: float | None
+  acceptance_window: float | None
+  adaptive: bool
+  draft_len_counts: dict[int, int]  # batched rounds per scheduled K; 0: an adaptive plain step
+  fallback_rounds: int
+  probe_rounds: int
+  trace: list[dict[str, Any]]  # per-round adaptive decisions (`SpecConfig.trace_rounds`)
+  tokens_per_second: float | None
+  wall_seconds: float  # decoding, compilation excluded
+  compile_seconds: float
+
+  @classmethod
+  def from_device(cls, stats: DecodeStats, wall_seconds: float, compile_seconds: float, drafter: str | None,
+                  lossy: bool = False, adaptive: bool = False) -> Stats:
+    s = jax.tree.map(np.asarray, stats)
+    speculative = drafter is not None
+    drafted, rounds, emitted = int(s.drafted), int(s.rounds), int(s.emitted)
+    return cls(
+        drafter=drafter,
+        verify="typical acceptance (lossy)" if lossy else "exact rejection sampling" if speculative else None,
+        lossy=lossy,
+        acceptance_rate=float(s.accepted) / drafted if drafted else None,
+        mean_accepted_length=emitted / rounds if rounds else None,
+        rounds=rounds, target_forwards=int(s.target_forwards), draft_forwards=int(s.draft_forwards),
+        plain_forwards=int(s.plain_forwards), drafted_tokens=drafted, accepted_tokens=int(s.accepted),
+        emitted_tokens=emitted,
+        per_position_acceptance=[float(a) / rounds for a in s.accepted_at_K] if speculative and rounds else [],
+        acceptance_ewma=_mean_finite(s.acceptance.ewma_rate) if speculative else None,
+        acceptance_window=_mean_finite(s.acceptance.window_rate) if speculative else None,
+        adaptive=adaptive,
+        draft_len_counts={k: int(c) for k, c in enumerate(s.draft_len_counts_K1) if c} if speculative else {},
+        fallback_rounds=int(s.fallback_rounds), probe_rounds=int(s.probe_rounds),
+        trace=[dict(zip(("draft_len", "accepted", "acceptance_window", "acceptance_ewma"),
+                        [None if np.isnan(v) else float(v) for v in row]))
+               for row in s.trace_Rx4 if not np.isnan(row[0])],
+        tokens_per_second=emitted / wall_seconds if wall_seconds > 0 else None,
+        wall_seconds=wall_seconds, compile_seconds=compile_seconds)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def _mean_finite(x: np.ndarray) -> float | None:
+  """The mean over rows with data (NaN marks a row that never tested a proposal)."""
+  x = x[np.isfinite(x)]
+  return float(x.mean()) if x.size else None

@@ -1,0 +1,106 @@
+"""The package's shape: no import cycles, light imports where they matter, a public surface that tools and
+tests keep to, and a command line that answers --help without JAX."""
+import ast
+import pathlib
+import re
+import subprocess
+import sys
+
+import jspec
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "jspec"
+MODULES = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in PACKAGE.rglob("*.py")}
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+  """The jspec modules a module imports anywhere in its body (functions too; `if TYPE_CHECKING:` blocks,
+  which never run, excepted)."""
+  tree = ast.parse(path.read_text())
+  skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+             for child in node.body for n in ast.walk(child)}
+  found = set()
+  for node in ast.walk(tree):
+    if id(node) in skipped:
+      continue
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith("jspec")}
+    elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jspec"):
+      for a in node.names:
+        sub = f"{node.module}.{a.name}"
+        found.add(sub if sub in MODULES else node.module)
+  return found
+
+
+def _cycles() -> list[list[str]]:
+  graph = {name: _runtime_imports(path) & set(MODULES) for name, path in MODULES.items()}
+  cycles, state = [], {}
+
+  def visit(node, stack):
+    state[node] = "open"
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == "open":
+        cycles.append(stack[stack.index(nxt):] + [nxt])
+      elif nxt not in state:
+        visit(nxt, stack + [nxt])
+    state[node] = "done"
+
+  for name in sorted(graph):
+    if name not in state:
+      visit(name, [name])
+  return cycles
+
+
+def test_no_import_cycles_among_jspec_modules():
+  assert _cycles() == []
+
+
+def test_the_cycle_detector_finds_a_cycle(tmp_path, monkeypatch):
+  a, b = tmp_path / "a.py", tmp_path / "b.py"
+  a.write_text("def f():\n  from jspec import b\n")  # a lazy import hides a cycle no less
+  b.write_text("from jspec.a import f\n")
+  monkeypatch.setitem(MODULES, "jspec.a", a)
+  monkeypatch.setitem(MODULES, "jspec.b", b)
+  assert ["jspec.a", "jspec.b", "jspec.a"] in _cycles()
+
+
+def _modules_after(code: str) -> set[str]:
+  out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sys.modules))"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300, check=True).stdout
+  return {m.split(".")[0] for m in out.split()}
+
+
+def test_the_decode_loop_imports_no_checkpoint_or_tokenizer_machinery():
+  loaded = _modules_after("import jspec.decode")
+  assert "jax" in loaded
+  assert not loaded & {"orbax", "tokenizers", "transformers", "torch"}
+
+
+def test_help_and_version_answer_without_jax():
+  proc = subprocess.run([sys.executable, "-m", "jspec.generate", "--help"], capture_output=True, text=True,
+                        cwd=REPO, timeout=300)
+  assert proc.returncode == 0
+  for group in ("models:", "prompts and output:", "sampling:", "speculation:", "adaptive speculation:",
+                "distributed:", "examples:", "(default: 4)"):
+    assert group in proc.stdout, group
+  loaded = _modules_after("from jspec import cli\ntry:\n  cli.main(['--help'])\nexcept SystemExit:\n  pass")
+  assert "jax" not in loaded and "numpy" not in loaded
+  proc = subprocess.run([sys.executable, "-m", "jspec.generate", "--version"], capture_output=True, text=True,
+                        cwd=REPO, timeout=300)
+  assert proc.stdout.strip() == f"jspec {jspec.__version__}"
+
+
+def test_public_names_resolve():
+  assert sorted(jspec.__all__) == sorted(jspec._EXPORTS)
+  for name in jspec.__all__:
+    assert getattr(jspec, name) is not None
+
+
+def test_tools_and_tests_use_only_public_names():
+  modules = {name.rsplit(".", 1)[-1] for name in MODULES} | {"jspec"}
+  private = re.compile(rf"\b({'|'.join(sorted(modules))})\._[a-z]\w*")
+  offenders = [f"{path.name}: {m.group(0)}" for folder in ("tests", "tools")
+               for path in (REPO / folder).glob("*.py") if path.name != "test_package.py"
+               for m in private.finditer(path.read_text())]
+  assert offenders == []
