@@ -3,8 +3,10 @@
 The public names below load on first use, so `import jspec` (and `python -m jspec.generate --help`) does not
 import JAX.
 
-Shape suffixes: one legend for the whole package. A name like `logits_BxKxV` is an array of shape [B, K, V].
-  B  batch rows                          K  tokens drafted per round (K1 = K + 1: the tokens a verify feeds)
+Shape suffixes: one legend for the whole package. A name like `logits_BxKxV` is an array of shape [B, K, V];
+letters written together multiply (QS = Q * S), a digit is a literal size (`keys_Bx2`), and a trailing 1
+adds one (K1 = K + 1, S1 = S + 1).
+  B  batch rows                          K  tokens drafted per round (a verify feeds K1 = K + 1)
   S  tokens fed to one forward           P  padded prompt width
   T  slots of a KV cache or token buffer V  vocabulary
   D  model width                         F  MLP width

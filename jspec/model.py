@@ -67,8 +67,8 @@ def rope(x_BxSxHxDh: jax.Array, positions_BxS: jax.Array, theta: float) -> jax.A
   """Rotary embedding in the rotate-half layout that Hugging Face checkpoints use."""
   half = x_BxSxHxDh.shape[-1] // 2
   freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles_BxSx1xHalf = (positions_BxS[..., None].astype(jnp.float32) * freqs)[:, :, None, :]
-  cos, sin = jnp.cos(angles_BxSx1xHalf), jnp.sin(angles_BxSx1xHalf)
+  angles = (positions_BxS[..., None].astype(jnp.float32) * freqs)[:, :, None, :]  # [B, S, 1, Dh/2]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
   x1, x2 = jnp.split(x_BxSxHxDh.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxSxHxDh.dtype)
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import adaptive, decode, testing
-from jspec.settings import AdaptiveConfig, SpecConfig
+from jspec import adaptive, checkpoint, decode, drafters, pairing, shipped, testing
+from jspec.config import num_params
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 POLICY = AdaptiveConfig(cost_ratio=0.1, verify_cost=0.05, round_overhead=0.0, fallback_threshold=0.4,
                         probe_interval=4, window=4)
@@ -131,3 +132,45 @@ def test_disable_at_batch_size_decodes_plainly(pair):
   assert r.stats.drafter is None and r.stats.draft_forwards == 0
   r = jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, spec=spec)
   assert r.stats.drafter == "model"
+
+
+def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
+  target, draft = pair
+  measured = CostModel(0.3, 0.05, 0.7, target_params=num_params(target.config))
+  checkpoint.save(dataclasses.replace(draft, cost_models={"model": measured}), tmp_path / "draft")
+  loaded = jspec.load(tmp_path / "draft")
+  assert loaded.cost_models == {"model": measured}
+  policy = lambda t, d, **kw: pairing.make_decoder(t, d, SpecConfig(adaptive=AdaptiveConfig(**kw)), 1).spec.adaptive
+  assert policy(target, loaded).cost == CostModel(0.3, 0.05, 0.7)
+  assert policy(target, loaded, verify_cost=0.2).cost == CostModel(0.3, 0.2, 0.7)  # what is given wins
+  # Measured with another target: the neutral defaults, as for a drafter never measured.
+  wider = testing.random_model(dataclasses.replace(CONFIG, mlp_dim=256))
+  assert policy(wider, loaded).cost == CostModel.neutral("model") == policy(target, draft).cost == CostModel(0.1)
+  # Heads carry theirs too; n-gram's lives with the target.
+  heads = testing.random_heads(drafters.MedusaDrafter(target.config, 4))
+  checkpoint.save_heads(dataclasses.replace(heads, cost_models={"medusa": measured}), tmp_path / "medusa")
+  assert policy(target, jspec.load(tmp_path / "medusa")).cost == CostModel(0.3, 0.05, 0.7)
+  ngram = dataclasses.replace(target, cost_models={"ngram": measured})
+  spec = SpecConfig(drafter="ngram", adaptive=AdaptiveConfig())
+  assert pairing.make_decoder(ngram, None, spec, 1).spec.adaptive.cost == CostModel(0.3, 0.05, 0.7)
+  assert pairing.make_decoder(target, None, spec, 1).spec.adaptive.cost == CostModel(0.0)
+
+
+def test_the_shipped_checkpoints_carry_their_measured_cost_models():
+  target = jspec.load(shipped.TARGET)
+  assert target.cost_models["ngram"].target_params == num_params(target.config)
+  for kind, path in shipped.DRAFTS.items():
+    cost = checkpoint.read_cost_models(path)[kind]
+    assert cost.target_params == num_params(target.config) and 0 < cost.cost_ratio < 1
+
+
+def test_settings_refuse_every_bad_value():
+  for make, message in [
+      (lambda: AdaptiveConfig(fallback_threshold=float("nan")), "fallback_threshold"),
+      (lambda: AdaptiveConfig(window=0), "window"), (lambda: AdaptiveConfig(initial_draft_len=0), "initial_draft_len"),
+      (lambda: AdaptiveConfig(cost_ratio=float("inf")), "cost_ratio"),
+      (lambda: CostModel(-1.0), "cost_ratio"), (lambda: CostModel(0.1, target_params=1.5), "target_params"),
+      (lambda: SpecConfig(draft_len=True), "draft_len"), (lambda: SpecConfig(trace_rounds=-1), "trace_rounds"),
+      (lambda: SpecConfig(drafter="tree"), "unknown drafter")]:
+    with pytest.raises(ValueError, match=message):
+      make()

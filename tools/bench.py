@@ -39,10 +39,10 @@ from jspec.config import ModelConfig, num_params  # noqa: E402
 from jspec.drafters import Proposal  # noqa: E402
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig  # noqa: E402
 
-# ~31M parameters: the size the loop-overhead goal names (20-50M).
+# ~31M parameters: a target large enough that a step is dominated by reading its weights.
 MID = ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, mlp_dim=1536,
                   max_seq_len=8192)
-# The model issue 8 describes: 6 layers, width 384, heads of 64.
+# The model of the decode-step measurements (docs/cpu-performance.md): 6 layers, width 384, heads of 64.
 STEP_MODEL = ModelConfig(vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, head_dim=64,
                          mlp_dim=1024, max_seq_len=8192)
 
