@@ -59,7 +59,8 @@ def _seeds(seed: int | Sequence[int], batch: int) -> np.ndarray:
 def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft: Model | Heads | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              draft_len: int | None = None, seed: int | Sequence[int] = 0, spec: SpecConfig | None = None,
-             ignore_eos: bool = False, mesh: Mesh | None = None, shard_draft: bool = True) -> Result:
+             chat: bool = False, ignore_eos: bool = False, mesh: Mesh | None = None,
+             shard_draft: bool = True) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft `Model` or trained Medusa/EAGLE `Heads` (`jspec.load` returns either); with
@@ -68,8 +69,10 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   `draft_len` (K), when given, replaces its `draft_len` (default 4).
 
   Row b samples with `seed + b` (or `seed[b]` when a list is given), so a row is reproducible alone (not
-  with adaptive speculation, whose K is chosen for the whole batch). `ignore_eos=True` decodes
-  `max_new_tokens` for every row, past any EOS (as vLLM's benchmarks do), without compiling anything new.
+  with adaptive speculation, whose K is chosen for the whole batch). A row stops at any of the target's
+  EOS tokens; `ignore_eos=True` decodes `max_new_tokens` for every row, past any EOS (as vLLM's benchmarks
+  do), without compiling anything new. `chat=True` renders each text prompt as one user turn of the
+  target's chat template, with the assistant's turn opened after it.
 
   With a `mesh` (`jspec.make_mesh("data=D,model=M")`), parameters and caches are sharded by the rules in
   `jspec.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs as one
@@ -80,6 +83,12 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   sampling = SamplingConfig(temperature, top_k, top_p)
   if draft_len is not None:
     spec = dataclasses.replace(spec or SpecConfig(), draft_len=draft_len)
+  if chat:
+    if target.chat_template is None:
+      raise ValueError("chat: the target has no chat template")
+    if not all(isinstance(p, str) for p in prompts):
+      raise ValueError("chat: prompts must be texts, not token ids")
+    prompts = [target.chat_template.render(p) for p in prompts]
   prompt_ids = [encode(target.tokenizer, p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
   batch = len(prompt_ids)
   decoder = make_decoder(target, draft, spec, batch)
@@ -94,7 +103,7 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
       prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(p) for p in prompt_ids], np.int32),
       max_new_tokens_B=np.full((batch,), max_new_tokens, np.int32),
       sampling=engine.as_sampling(sampling.temperature, sampling.top_k, sampling.top_p, batch),
-      seeds_B=_seeds(seed, batch), eos_B=decode.eos_ids(target.config, batch, ignore_eos))
+      seeds_B=_seeds(seed, batch), stop_BxE=decode.stop_ids(target.config, batch, ignore_eos))
   layout = None
   if mesh is not None:
     decoder, requests, layout = engine.place_on_mesh(mesh, decoder, requests, shard_draft)

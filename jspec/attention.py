@@ -11,21 +11,36 @@ from jax import lax
 
 from jspec.cache import BLOCK_SIZE
 
+# Masked logits: finite, so a block that a row cannot see at all leaves no NaN in the online softmax (its
+# weights vanish once a visible block raises the running max, and every query sees at least itself).
+MASKED = -1e30
 
-def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array,
-                     lengths_B: jax.Array, heads_major: bool = False) -> jax.Array:
+
+def _scores(s: jax.Array, softcap: float | None) -> jax.Array:
+  return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def _visible(kpos: jax.Array, qpos: jax.Array, window: int) -> jax.Array:
+  """Causal, and within the last `window` positions when window > 0 (as transformers' sliding window)."""
+  return (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+
+
+def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, lengths_B: jax.Array,
+                     heads_major: bool = False, window: int = 0, softcap: float | None = None,
+                     scale: float | None = None) -> jax.Array:
   """Causal attention of S new queries over a cache that already holds them.
 
-  Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i`. The loop runs over
-  `ceil((max(lengths) + S) / BLOCK_SIZE)` blocks with an online softmax, so a step costs what the rows
-  hold, not what the cache could hold.
+  Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i` (and, with a
+  sliding `window`, `j > lengths[b] + i - window`). The loop runs over the blocks of BLOCK_SIZE slots that
+  some query can see, with an online softmax, so a step costs what the rows hold, not what the cache could
+  hold. `scale` multiplies the logits (default head_dim ** -0.5); `softcap` bounds them as Gemma 2 does.
   """
   batch, seq, heads, head_dim = q_BxSxHxDh.shape
   rows, capacity, _ = k_XxTxDh.shape
   kv_heads = rows // batch
   group = heads // kv_heads
   block = min(BLOCK_SIZE, capacity)
-  scale = head_dim ** -0.5
+  scale = head_dim ** -0.5 if scale is None else scale
 
   # Queries in the cache's row order: [B, J, Q, S] (or [J, B, Q, S]) flattened to [X, Q*S].
   to_rows = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)
@@ -35,37 +50,38 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   qpos_BxS = lengths_B[:, None] + jnp.arange(seq)[None, :]
   qpos_XxQS = jnp.broadcast_to(qpos_BxS[:, None, None, :], (batch, kv_heads, group, seq)
                                ).transpose(*to_rows).reshape(rows, -1)
-  num_blocks = (jnp.max(lengths_B) + seq + block - 1) // block
+  end_block = (jnp.max(lengths_B) + seq + block - 1) // block
+  first_block = jnp.maximum(jnp.min(lengths_B) + 1 - window, 0) // block if window else 0
 
   def attend_block(i, carry):
     max_XxQS, sum_XxQS, acc_XxQSxDh = carry
     k_blk = lax.dynamic_slice_in_dim(k_XxTxDh, i * block, block, axis=1)
     v_blk = lax.dynamic_slice_in_dim(v_XxTxDh, i * block, block, axis=1)
-    s_XxQSxT = jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32)
+    s_XxQSxT = _scores(jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32), softcap)
     kpos_T = i * block + jnp.arange(block)
-    s_XxQSxT = jnp.where(kpos_T[None, None, :] <= qpos_XxQS[:, :, None], s_XxQSxT, -jnp.inf)
-    new_max = jnp.maximum(max_XxQS, s_XxQSxT.max(-1))  # finite: block 0 always holds slot 0
+    s_XxQSxT = jnp.where(_visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window), s_XxQSxT, MASKED)
+    new_max = jnp.maximum(max_XxQS, s_XxQSxT.max(-1))
     p_XxQSxT = jnp.exp(s_XxQSxT - new_max[..., None])
     rescale = jnp.exp(max_XxQS - new_max)
     pv = jnp.einsum("xqt,xtd->xqd", p_XxQSxT.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     return new_max, sum_XxQS * rescale + p_XxQSxT.sum(-1), acc_XxQSxDh * rescale[..., None] + pv
 
-  init = (jnp.full((rows, group * seq), -jnp.inf, jnp.float32), jnp.zeros((rows, group * seq), jnp.float32),
+  init = (jnp.full((rows, group * seq), MASKED, jnp.float32), jnp.zeros((rows, group * seq), jnp.float32),
           jnp.zeros((rows, group * seq, head_dim), jnp.float32))
-  _, sum_XxQS, acc = lax.fori_loop(0, num_blocks, attend_block, init)
+  _, sum_XxQS, acc = lax.fori_loop(first_block, end_block, attend_block, init)
   out = (acc / sum_XxQS[..., None]).reshape(*((kv_heads, batch) if heads_major else (batch, kv_heads)),
                                             group, seq, head_dim).transpose(*to_rows, 4)  # [B, J, Q, S, Dh]
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim).astype(q_BxSxHxDh.dtype)
 
 
-def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxJxDh: jax.Array, v_BxSxJxDh: jax.Array) -> jax.Array:
+def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxJxDh: jax.Array, v_BxSxJxDh: jax.Array, window: int = 0,
+                     softcap: float | None = None, scale: float | None = None) -> jax.Array:
   """Plain causal attention over one full sequence: the reference the cached path is tested against."""
   group = q_BxSxHxDh.shape[2] // k_BxSxJxDh.shape[2]
   k = jnp.repeat(k_BxSxJxDh, group, axis=2)
   v = jnp.repeat(v_BxSxJxDh, group, axis=2)
   s_BxHxSxS = jnp.einsum("bqhd,bkhd->bhqk", q_BxSxHxDh, k, preferred_element_type=jnp.float32)
-  s_BxHxSxS = s_BxHxSxS * q_BxSxHxDh.shape[-1] ** -0.5
-  seq = q_BxSxHxDh.shape[1]
-  causal = jnp.tril(jnp.ones((seq, seq), bool))
-  p = jax.nn.softmax(jnp.where(causal, s_BxHxSxS, -jnp.inf), axis=-1)
+  s_BxHxSxS = _scores(s_BxHxSxS * (q_BxSxHxDh.shape[-1] ** -0.5 if scale is None else scale), softcap)
+  pos_S = jnp.arange(q_BxSxHxDh.shape[1])
+  p = jax.nn.softmax(jnp.where(_visible(pos_S[None, :], pos_S[:, None], window), s_BxHxSxS, -jnp.inf), axis=-1)
   return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q_BxSxHxDh.dtype)

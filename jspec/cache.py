@@ -30,6 +30,7 @@ class KVCache:
   k: tuple[jax.Array, ...]  # N x [B*J, T, Dh]
   v: tuple[jax.Array, ...]  # N x [B*J, T, Dh]
   lengths: jax.Array  # [B] int32: slots in use in each row
+  rope_len: jax.Array  # [B] int32: each row's final length, for length-dependent RoPE (`jspec.rope`)
   heads_major: bool = flax.struct.field(pytree_node=False, default=False)  # row j*B + b instead of b*J + j
 
   def row(self, b, j, batch: int, kv_heads: int):
@@ -52,7 +53,8 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, heads_major: bool
     raise ValueError(f"cache capacity {capacity} is not a multiple of {BLOCK_SIZE}")
   shape = (batch * config.n_kv_heads, capacity, config.head_dim)
   zeros = lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers))
-  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32), heads_major=heads_major)
+  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32),
+                 rope_len=jnp.zeros((batch,), jnp.int32), heads_major=heads_major)
 
 
 # Up to this many rows, each row gets its own in-place dynamic_update_slice (a vmapped one becomes a select

@@ -22,7 +22,7 @@ from jspec.config import ModelConfig, default_dtype
 from jspec.drafters import EagleDrafter, Heads, MedusaDrafter
 from jspec.model import Model
 from jspec.settings import CostModel
-from jspec.tokenizer import load_tokenizer
+from jspec.tokenizer import load_chat_template, load_tokenizer, save_chat_template
 
 HEADS_FILE = "drafter.json"
 COST_FILE = "cost_model.json"
@@ -50,6 +50,7 @@ def save(m: Model, path: str | pathlib.Path, storage_dtype: str | None = None) -
   path = _make_dir(path)
   (path / "config.json").write_text(m.config.to_json())
   m.tokenizer.save(str(path / "tokenizer.json"))
+  save_chat_template(m.chat_template, path)
   _save_params(m.params, path, storage_dtype)
   write_cost_models(path, m.cost_models)
 
@@ -71,7 +72,8 @@ def load_model(path: str | pathlib.Path, dtype: str | None = None, mesh=None) ->
   config = _parse_config(read_json(path / "config.json"), dtype, path / "config.json")
   tokenizer = load_tokenizer(path)
   params = _restore_params(path, lambda: model.init_params(config, jax.random.PRNGKey(0)), config, mesh)
-  return Model(config=config, params=params, tokenizer=tokenizer, cost_models=read_cost_models(path))
+  return Model(config=config, params=params, tokenizer=tokenizer, cost_models=read_cost_models(path),
+               chat_template=load_chat_template(path))
 
 
 def load_heads(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Heads:

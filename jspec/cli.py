@@ -12,7 +12,7 @@ import sys
 
 import jspec
 from jspec import shipped
-from jspec.settings import DRAFTERS, MAX_DRAFT_LEN, MAX_NGRAM, AdaptiveConfig, SamplingConfig, SpecConfig
+from jspec.settings import DRAFTERS, DTYPES, MAX_DRAFT_LEN, MAX_NGRAM, AdaptiveConfig, SamplingConfig, SpecConfig
 
 EXAMPLES = """examples:
   python -m jspec.generate --prompt "def parse_args("
@@ -52,11 +52,15 @@ def parser() -> argparse.ArgumentParser:
                  help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, or n-gram lookup in the "
                       f"context (default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")
   g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+  g.add_argument("--dtype", choices=DTYPES, default=None,
+                 help="parameters and activations (default: float32 on the CPU, bfloat16 on accelerators)")
 
   g = p.add_argument_group("prompts and output")
   g.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeat for a batch")
   g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line (write a newline inside a prompt as \\n), "
                                        "or JSONL with a \"prompt\" field")
+  g.add_argument("--chat", action="store_true",
+                 help="render each prompt as a user turn of the target's chat template")
   g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt")
   g.add_argument("--ignore-eos", action="store_true",
                  help="decode --max-new-tokens for every prompt, past any EOS (for benchmarks)")
@@ -147,23 +151,23 @@ def load_draft(args: argparse.Namespace, mesh) -> tuple:
     return None, None
   draft_mesh = None if args.replicate_draft else mesh
   if args.draft is not None:
-    return jspec.load(args.draft, mesh=draft_mesh), args.drafter
+    return jspec.load(args.draft, dtype=args.dtype, mesh=draft_mesh), args.drafter
   drafter = args.drafter or shipped.DEFAULT_DRAFTER
   if drafter not in shipped.DRAFTS:
     return None, drafter
   if not shipped.is_target(args.target):
     raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped one")
-  return jspec.load(shipped.DRAFTS[drafter], mesh=draft_mesh), drafter
+  return jspec.load(shipped.DRAFTS[drafter], dtype=args.dtype, mesh=draft_mesh), drafter
 
 
 def run(args: argparse.Namespace) -> dict:
   prompts = read_prompts(args)
   sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+                  top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, chat=args.chat)
   SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values fail before anything loads
   spec = speculation(args)
   mesh = jspec.make_mesh(args.mesh) if args.mesh else None
-  target = jspec.load(args.target, mesh=mesh)
+  target = jspec.load(args.target, dtype=args.dtype, mesh=mesh)
   draft, drafter = load_draft(args, mesh)
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
   result = jspec.generate(target, prompts, draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft,

@@ -69,7 +69,7 @@ class Requests:
   max_new_tokens_B: jax.Array  # int32
   sampling: SamplingParams
   seeds_B: jax.Array  # uint32: row b's PRNG seed
-  eos_B: jax.Array  # int32: the token that ends row b; -1 for none (see `eos_ids`)
+  stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (see `stop_ids`)
 
 
 @flax.struct.dataclass
@@ -84,7 +84,7 @@ class DecodeState:
   target_cache: kvcache.KVCache
   drafter_state: DrafterState
   stats: DecodeStats
-  eos_B: jax.Array  # [B] int32: the token that ends row b; -1 for none (no EOS, or EOS ignored)
+  stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (none: no EOS, or EOS ignored)
   layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.sharding.Layout on a mesh
 
   @property
@@ -92,11 +92,11 @@ class DecodeState:
     return self.seq_lens - self.prompt_lens
 
 
-def eos_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False) -> jax.Array:
-  """Each row's stop token for `Requests.eos_B`: the target's EOS, or -1 (never) when it has none or
-  `ignore_eos` is set."""
-  return jnp.full((batch,), -1 if ignore_eos or target_config.eos_id is None else target_config.eos_id,
-                  jnp.int32)
+def stop_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False) -> jax.Array:
+  """`Requests.stop_BxE`: every row stops at each of the target's EOS tokens; with `ignore_eos`, or a target
+  without EOS, at none (a row of -1)."""
+  ids = () if ignore_eos else target_config.stop_ids
+  return jnp.broadcast_to(jnp.asarray(ids or (-1,), jnp.int32), (batch, max(len(ids), 1)))
 
 
 def required_capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
@@ -112,7 +112,7 @@ def init_state(decoder: Decoder, requests: Requests, capacity: int) -> DecodeSta
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(requests.prompts_BxP)
   drafter, spec = decoder.drafter, decoder.spec
   adaptive_config = decoder.adaptive or AdaptiveConfig()
-  return DecodeState(
+  state = DecodeState(
       tokens=tokens, seq_lens=requests.prompt_lens_B.astype(jnp.int32),
       prompt_lens=requests.prompt_lens_B.astype(jnp.int32),
       max_new_tokens=requests.max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
@@ -121,7 +121,13 @@ def init_state(decoder: Decoder, requests: Requests, capacity: int) -> DecodeSta
       drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
       stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
                               spec.trace_rounds if drafter is not None else 0),
-      eos_B=requests.eos_B.astype(jnp.int32))
+      stop_BxE=requests.stop_BxE.astype(jnp.int32))
+  # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it).
+  final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
+  is_cache = lambda x: isinstance(x, kvcache.KVCache)
+  with_len = lambda x: x.replace(rope_len=final_len_B) if is_cache(x) else x
+  return state.replace(target_cache=with_len(state.target_cache),
+                       drafter_state=jax.tree.map(with_len, state.drafter_state, is_leaf=is_cache))
 
 
 def start(decoder: Decoder, requests: Requests, capacity: int, layout: Any = None) -> DecodeState:
@@ -158,7 +164,8 @@ def _commit(state: DecodeState, candidates_BxS: jax.Array,
   """
   width = candidates_BxS.shape[1]
   idx_S = jnp.arange(width)
-  is_eos = (candidates_BxS == state.eos_B[:, None]) & (idx_S < num_candidates_B[:, None])
+  is_stop_BxS = (candidates_BxS[:, :, None] == state.stop_BxE[:, None, :]).any(-1)
+  is_eos = is_stop_BxS & (idx_S < num_candidates_B[:, None])
   upto_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, width)
   room = state.max_new_tokens - state.num_emitted
   num_new = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(num_candidates_B, upto_eos), room))

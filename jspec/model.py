@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jspec import attention
+from jspec import attention, rope
 from jspec import cache as kvcache
 from jspec.config import ModelConfig
 from jspec.settings import CostModel
@@ -22,17 +22,21 @@ from jspec.settings import CostModel
 if TYPE_CHECKING:
   from tokenizers import Tokenizer
 
+  from jspec.tokenizer import ChatTemplate
+
 Params = dict
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """A model's shape, its weights, its tokenizer, and the cost models measured with it as a drafter (by
-  drafter kind; a target's own checkpoint holds n-gram's, the drafter that reads only the context)."""
+  """A model's shape, its weights, its tokenizer and chat template, and the cost models measured with it as
+  a drafter (by drafter kind; a target's own checkpoint holds n-gram's, the drafter that reads only the
+  context)."""
   config: ModelConfig
   params: Params
   tokenizer: Tokenizer
   cost_models: dict[str, CostModel] = dataclasses.field(default_factory=dict)
+  chat_template: ChatTemplate | None = None
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
@@ -42,41 +46,43 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   dtype = config.jnp_dtype
   keys = iter(jax.random.split(key, 12 * config.n_layers + 2))
   dense = lambda shape, fan_in: (jax.random.normal(next(keys), shape) * fan_in ** -0.5).astype(dtype)
+  # A norm's weight is 1 either way it is stored: w, or 1 + w.
+  norm = lambda size: jnp.full((size,), 0.0 if config.norm_plus_one else 1.0, dtype)
   layers = []
   for _ in range(config.n_layers):
-    layer = dict(attn_norm=jnp.ones((d,), dtype), wq=dense((d, h * dh), d), wk=dense((d, j * dh), d),
+    layer = dict(attn_norm=norm(d), wq=dense((d, h * dh), d), wk=dense((d, j * dh), d),
                  wv=dense((d, j * dh), d), wo=dense((h * dh, d), h * dh) / (2 * config.n_layers) ** 0.5,
-                 mlp_norm=jnp.ones((d,), dtype), w_gate=dense((d, f), d), w_up=dense((d, f), d),
+                 mlp_norm=norm(d), w_gate=dense((d, f), d), w_up=dense((d, f), d),
                  w_down=dense((f, d), f) / (2 * config.n_layers) ** 0.5)
     if config.qkv_bias:
       layer.update(bq=dense((h * dh,), 1) * 0.1, bk=dense((j * dh,), 1) * 0.1, bv=dense((j * dh,), 1) * 0.1)
+    if config.qk_norm:
+      layer.update(q_norm=norm(dh), k_norm=norm(dh))
+    if config.sandwich_norms:
+      layer.update(post_attn_norm=norm(d), post_mlp_norm=norm(d))
     layers.append(layer)
-  params = dict(embed=dense((v, d), d), layers=layers, final_norm=jnp.ones((d,), dtype))
+  params = dict(embed=dense((v, d), d), layers=layers, final_norm=norm(d))
   if not config.tie_embeddings:
     params["lm_head"] = dense((d, v), d)
   return params
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
+  """RMSNorm over the last axis, in fp32; the weight scales by w, or by 1 + w (`norm_plus_one`)."""
   x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.norm_eps)
+  return (x32 * (weight.astype(jnp.float32) + config.norm_plus_one)).astype(x.dtype)
 
 
-def rope(x_BxSxHxDh: jax.Array, positions_BxS: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding in the rotate-half layout that Hugging Face checkpoints use."""
-  half = x_BxSxHxDh.shape[-1] // 2
-  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = (positions_BxS[..., None].astype(jnp.float32) * freqs)[:, :, None, :]  # [B, S, 1, Dh/2]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  x1, x2 = jnp.split(x_BxSxHxDh.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxSxHxDh.dtype)
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array) -> jax.Array:
-  """The LM head (tied or not), in fp32."""
+def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
+  """The LM head (tied or not), in fp32, soft-capped when the config says so."""
   head_DxV = params["lm_head"] if "lm_head" in params else params["embed"].T
-  return jnp.einsum("bsd,dv->bsv", hidden_BxSxD, head_DxV, preferred_element_type=jnp.float32)
+  return _softcap(jnp.einsum("bsd,dv->bsv", hidden_BxSxD, head_DxV, preferred_element_type=jnp.float32),
+                  config.final_softcap)
 
 
 def with_head(params: Params) -> Params:
@@ -86,34 +92,73 @@ def with_head(params: Params) -> Params:
   return params if "lm_head" in params else {**params, "lm_head": params["embed"].T}
 
 
-# attend(layer_index, q, k_new, v_new) -> attention output [B,S,H,Dh]; it may update a cache on the side.
+def embed(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> jax.Array:
+  x_BxSxD = params["embed"][tokens_BxS]
+  return x_BxSxD * jnp.asarray(config.dim ** 0.5, x_BxSxD.dtype) if config.scale_embeddings else x_BxSxD
+
+
+def attention_options(config: ModelConfig, layer: int) -> dict:
+  """What `jspec.attention` needs to know of a layer: its window, soft-cap and logit scale."""
+  return dict(window=config.window(layer), softcap=config.attn_softcap,
+              scale=None if config.query_scale is None else config.query_scale ** -0.5)
+
+
+def _rope(config: ModelConfig, layer: int, x_BxSxHxDh: jax.Array, positions_BxS: jax.Array,
+          rope_len_B: jax.Array | None) -> jax.Array:
+  if config.window(layer) and config.local_rope_theta is not None:  # local layers: their own base, unscaled
+    return rope.apply(x_BxSxHxDh, positions_BxS, config.local_rope_theta, config.rotary_dim, None, None)
+  return rope.apply(x_BxSxHxDh, positions_BxS, config.rope_theta, config.rotary_dim, config.rope_scaling,
+                    rope_len_B)
+
+
+# attend(layer_index, q, k, v) -> attention output [B,S,H,Dh]; it may update a cache on the side.
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def _mlp(layer: Params, h_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
+  gate = h_BxSxD @ layer["w_gate"]
+  gate = jax.nn.silu(gate) if config.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+  return (gate * (h_BxSxD @ layer["w_up"])) @ layer["w_down"]
+
+
 def decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
-            attend: AttendFn) -> jax.Array:
-  """The decoder layers `params["layers"]` over input vectors; returns the residual stream [B,S,D]."""
+            attend: AttendFn, rope_len_B: jax.Array | None = None) -> jax.Array:
+  """The decoder layers `params["layers"]` over input vectors; returns the residual stream [B,S,D].
+
+  `rope_len_B`: each row's final length, which only dynamic-NTK RoPE reads (default: the positions given).
+  """
   batch, seq, _ = x_BxSxD.shape
+  heads = lambda x, n: x.reshape(batch, seq, n, config.head_dim)
   for i, layer in enumerate(params["layers"]):
-    h = rms_norm(x_BxSxD, layer["attn_norm"], config.norm_eps)
+    h = rms_norm(x_BxSxD, layer["attn_norm"], config)
     q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
     if config.qkv_bias:
       q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q = rope(q.reshape(batch, seq, config.n_heads, config.head_dim), positions_BxS, config.rope_theta)
-    k = rope(k.reshape(batch, seq, config.n_kv_heads, config.head_dim), positions_BxS, config.rope_theta)
-    v = v.reshape(batch, seq, config.n_kv_heads, config.head_dim)
-    out_BxSxHxDh = attend(i, q, k, v)
-    x_BxSxD = x_BxSxD + out_BxSxHxDh.reshape(batch, seq, -1) @ layer["wo"]
-    h = rms_norm(x_BxSxD, layer["mlp_norm"], config.norm_eps)
-    x_BxSxD = x_BxSxD + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    q, k, v = heads(q, config.n_heads), heads(k, config.n_kv_heads), heads(v, config.n_kv_heads)
+    if config.qk_norm:
+      q, k = rms_norm(q, layer["q_norm"], config), rms_norm(k, layer["k_norm"], config)
+    q, k = _rope(config, i, q, positions_BxS, rope_len_B), _rope(config, i, k, positions_BxS, rope_len_B)
+    out = attend(i, q, k, v).reshape(batch, seq, -1) @ layer["wo"]
+    if config.sandwich_norms:
+      out = rms_norm(out, layer["post_attn_norm"], config)
+    x_BxSxD = x_BxSxD + out
+    out = _mlp(layer, rms_norm(x_BxSxD, layer["mlp_norm"], config), config)
+    if config.sandwich_norms:
+      out = rms_norm(out, layer["post_mlp_norm"], config)
+    x_BxSxD = x_BxSxD + out
   return x_BxSxD
+
+
+def full_attention(config: ModelConfig) -> AttendFn:
+  """Attention over the whole sequence given (no cache), with each layer's options."""
+  return lambda i, q, k, v: attention.causal_attention(q, k, v, **attention_options(config, i))
 
 
 def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
           attend: AttendFn) -> jax.Array:
   """Embedding and decoder layers; returns the final-normed hidden state [B,S,D]."""
-  x_BxSxD = decoder(params, params["embed"][tokens_BxS], positions_BxS, config, attend)
-  return rms_norm(x_BxSxD, params["final_norm"], config.norm_eps)
+  x_BxSxD = decoder(params, embed(params, tokens_BxS, config), positions_BxS, config, attend)
+  return rms_norm(x_BxSxD, params["final_norm"], config)
 
 
 def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
@@ -123,9 +168,9 @@ def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cac
   The same code serves prefill (S = padded prompt), one-token decode and verification (S = K+1).
   Returns `(logits [B,S,V] fp32, hidden [B,S,D], cache)` with `cache.lengths` advanced by S.
   """
-  x_BxSxD, cache = cached_decoder(params, params["embed"][tokens_BxS], positions_BxS, cache, config)
-  hidden = rms_norm(x_BxSxD, params["final_norm"], config.norm_eps)
-  return logits_from_hidden(params, hidden), hidden, cache
+  x_BxSxD, cache = cached_decoder(params, embed(params, tokens_BxS, config), positions_BxS, cache, config)
+  hidden = rms_norm(x_BxSxD, params["final_norm"], config)
+  return logits_from_hidden(params, hidden, config), hidden, cache
 
 
 def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
@@ -136,18 +181,18 @@ def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array,
   def attend(i, q, k, v):
     ks[i] = kvcache.write(cache, ks[i], k)
     vs[i] = kvcache.write(cache, vs[i], v)
-    return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major)
+    return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major,
+                                      **attention_options(config, i))
 
-  x_BxSxD = decoder(params, x_BxSxD, positions_BxS, config, attend)
+  x_BxSxD = decoder(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len)
   return x_BxSxD, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])
 
 
 def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
   """A full causal forward with no cache, positions 0..S-1: the reference for tests."""
   positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
-  hidden = trunk(params, tokens_BxS, positions, config,
-                  lambda i, q, k, v: attention.causal_attention(q, k, v))
-  return logits_from_hidden(params, hidden), hidden
+  hidden = trunk(params, tokens_BxS, positions, config, full_attention(config))
+  return logits_from_hidden(params, hidden, config), hidden
 
 
 def prefill(params: Params, config: ModelConfig, cache: kvcache.KVCache, prompts_BxP: jax.Array,

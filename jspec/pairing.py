@@ -36,7 +36,9 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
       raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
     kind = drafter_kind(draft)
     _check_fit(target, draft, spec)
-    drafter = ModelDrafter(draft.config) if kind == "model" else draft.drafter
+    drafter = draft.drafter if kind != "model" else ModelDrafter(
+        draft.config, vocab_size=None if draft.config.vocab_size == target.config.vocab_size
+        else target.config.vocab_size)
     params, measured = draft.params, draft.cost_models.get(kind)
   if spec.disable_at_batch_size is not None and batch >= spec.disable_at_batch_size:
     return plain  # vLLM's rule: large batches gain little from speculation
@@ -53,10 +55,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
 
 def _check_fit(target: Model, draft: Model | Heads, spec: SpecConfig) -> None:
   kind = drafter_kind(draft)
-  if kind == "model":
-    if draft.config.vocab_size != target.config.vocab_size:
-      raise ValueError(f"draft vocab size {draft.config.vocab_size} differs from the target's "
-                       f"{target.config.vocab_size}")
+  if kind == "model":  # the tokenizers must agree; the embeddings may be padded to other sizes
     if not same_vocab(draft.tokenizer, target.tokenizer):
       raise ValueError("the draft's tokenizer differs from the target's")
     return

@@ -16,6 +16,7 @@ DRAFTERS = ("model", "medusa", "eagle", "ngram")
 # speculation, and past about 8 the draft's later tokens are almost never accepted.
 MAX_DRAFT_LEN = 16
 MAX_NGRAM = 8
+DTYPES = ("float32", "bfloat16")  # what parameters and activations may be computed in
 
 
 def _check(ok: bool, message: str) -> None:

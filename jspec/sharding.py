@@ -42,7 +42,8 @@ RULES = (
 # Logical axes of each parameter, by its name in the parameter dict (model, Medusa and EAGLE weights).
 PARAM_AXES = {
     "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "final_norm": ("embed",),
-    "attn_norm": ("embed",), "mlp_norm": ("embed",),
+    "attn_norm": ("embed",), "mlp_norm": ("embed",), "post_attn_norm": ("embed",), "post_mlp_norm": ("embed",),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
     "wo": ("heads", "embed"), "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),

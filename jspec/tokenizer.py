@@ -1,14 +1,21 @@
-"""Tokenizers, always as a `tokenizer.json` read and written by the `tokenizers` package.
+"""Tokenizers, always as a `tokenizer.json` read and written by the `tokenizers` package, and chat templates.
 
-Both kinds are byte-level, so decoding round-trips any text exactly, whitespace and indentation included:
-`train_bpe` learns merges on a corpus; `byte_tokenizer` has none (256 byte tokens and end-of-text).
+jspec's own tokenizers are byte-level, so decoding round-trips any text exactly, whitespace and indentation
+included: `train_bpe` learns merges on a corpus; `byte_tokenizer` has none (256 byte tokens and
+end-of-text). A model directory's chat template is rendered as transformers renders it, with jinja2 in its
+sandbox: a template that comes with a downloaded model is untrusted input.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import functools
+import json
 import pathlib
 from collections.abc import Iterable
 
+import jinja2
+import jinja2.sandbox
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
@@ -56,3 +63,60 @@ def decode(tok: Tokenizer, ids: list[int]) -> str:
 def same_vocab(a: Tokenizer, b: Tokenizer) -> bool:
   """Whether two tokenizers map the same strings to the same ids."""
   return a.get_vocab() == b.get_vocab()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+  """A Jinja chat template and the special tokens it may name."""
+  template: str
+  special_tokens: tuple[tuple[str, str], ...] = ()  # (name, text): bos_token, eos_token, ...
+
+  def render(self, prompt: str) -> str:
+    """`prompt` as a single user turn, with the generation prompt after it (what transformers'
+    `apply_chat_template(..., add_generation_prompt=True)` renders)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    try:
+      return env.from_string(self.template).render(
+          messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **dict(self.special_tokens))
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+      raise ValueError(f"the chat template failed to render: {' '.join(str(e).split())[:200]}") from None
+
+
+def _raise(message: str):
+  raise ValueError(message)
+
+
+def load_chat_template(directory: pathlib.Path) -> ChatTemplate | None:
+  """The chat template of a model directory (`chat_template.jinja`, `chat_template.json`, or the
+  `chat_template` of `tokenizer_config.json`), or None when it has none."""
+  directory = pathlib.Path(directory)
+  config = {**_read_json(directory / "tokenizer_config.json"), **_read_json(directory / "chat_template.json")}
+  template = config.get("chat_template")
+  if (directory / "chat_template.jinja").is_file():
+    template = (directory / "chat_template.jinja").read_text()
+  if isinstance(template, list):  # named templates: the default one
+    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+  if not isinstance(template, str):
+    return None
+  special = {}
+  for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+    token = config.get(name)
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str):
+      special[name] = token
+  return ChatTemplate(template, tuple(sorted(special.items())))
+
+
+def save_chat_template(chat: ChatTemplate | None, directory: pathlib.Path) -> None:
+  if chat is not None:
+    (pathlib.Path(directory) / "chat_template.json").write_text(
+        json.dumps({"chat_template": chat.template, **dict(chat.special_tokens)}, indent=2))
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  try:
+    return json.loads(path.read_text()) if path.is_file() else {}
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: invalid JSON ({e})") from None

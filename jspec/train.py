@@ -81,8 +81,7 @@ def heads_task(cfg: dict, tok) -> Task:
   if cfg["drafter"] == "medusa":
     drafter = drafters.MedusaDrafter(target.config, opts.get("num_heads", 5))
   elif cfg["drafter"] == "eagle":
-    drafter = drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1,
-                                                        mlp_dim=opts.get("mlp_dim", target.config.mlp_dim)))
+    drafter = drafters.EagleDrafter.for_target(target.config, opts.get("mlp_dim"))
   else:
     raise SystemExit(f"unknown drafter {cfg['drafter']!r}: medusa or eagle")
 

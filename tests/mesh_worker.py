@@ -5,6 +5,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -23,7 +24,7 @@ if args.coordinator:
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import decode, engine, model, pairing, sharding, testing  # noqa: E402
+from jspec import decode, engine, hf, model, pairing, sharding, testing  # noqa: E402
 from jspec.settings import SpecConfig  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
@@ -48,7 +49,7 @@ def collectives(mesh, mode):
   """all-reduce / all-gather counts in the compiled loop's while bodies: "ar", "sharded" or "replicated" draft."""
   requests = decode.Requests(jax.numpy.zeros((8, 16), "int32"), jax.numpy.full((8,), 3, "int32"),
                              jax.numpy.full((8,), 8, "int32"), engine.as_sampling(0.0, 0, 1.0, 8),
-                             jax.numpy.arange(8, dtype="uint32"), jax.numpy.full((8,), -1, "int32"))
+                             jax.numpy.arange(8, dtype="uint32"), jax.numpy.full((8, 1), -1, "int32"))
   decoder = pairing.make_decoder(target, None if mode == "ar" else draft, SpecConfig(3), batch=8)
   decoder, requests, layout = engine.place_on_mesh(mesh, decoder, requests, shard_draft=mode == "sharded")
   compiled = engine.lower(decoder, requests, 128, layout).compile()
@@ -58,6 +59,17 @@ def collectives(mesh, mode):
               == [x.sharding for x in jax.tree.leaves((decoder, requests))])
   return {**testing.loop_collectives(text), "drafter": testing.loop_collectives(text, "drafter"),
           "explicit_shardings": explicit}
+
+
+def hf_directory_on(mesh) -> dict:
+  """The target written as a Hugging Face directory and read back onto the mesh, tensor by tensor."""
+  path = pathlib.Path(tempfile.mkdtemp()) / "hf"
+  hf.save_hf(target, path)
+  loaded = jspec.load(path, mesh=mesh)
+  want = jax.tree.leaves(sharding.param_specs(loaded.params, CONFIG, mesh),
+                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return {"placed_by_the_rules": all(a.sharding.spec == sp for a, sp in zip(jax.tree.leaves(loaded.params), want)),
+          "spec": jspec.generate(loaded, prompts, draft=draft, draft_len=3, max_new_tokens=12, mesh=mesh).token_ids}
 
 
 out = {"single": runs(None), "meshes": {}}
@@ -75,6 +87,7 @@ for spec in args.meshes.split(";"):
           for a, b, sp in zip(jax.tree.leaves(sharding.init_params(CONFIG, jax.random.PRNGKey(0), mesh)),
                               jax.tree.leaves(model.init_params(CONFIG, jax.random.PRNGKey(0))),
                               jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))),
-      "collectives": {mode: collectives(mesh, mode) for mode in ("ar", "sharded", "replicated")}}
+      "collectives": {mode: collectives(mesh, mode) for mode in ("ar", "sharded", "replicated")},
+      "hf_directory": hf_directory_on(mesh)}
 if jax.process_index() == 0:
   pathlib.Path(args.out).write_text(json.dumps(out))

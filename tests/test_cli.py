@@ -21,8 +21,6 @@ def ckpts(tmp_path_factory):
   target = testing.random_model(testing.TINY, seed=0, scale=2.0)
   jspec.save(target, root / "target")
   jspec.save(testing.random_model(testing.TINY_DRAFT, seed=1), root / "draft")
-  other_vocab = dataclasses.replace(testing.TINY_DRAFT, vocab_size=300)
-  jspec.save(testing.random_model(other_vocab, seed=1), root / "draft-vocab")
   (root / "corrupt").mkdir()
   (root / "corrupt" / "config.json").write_text((root / "target" / "config.json").read_text())
   (root / "corrupt" / "tokenizer.json").write_text((root / "target" / "tokenizer.json").read_text())
@@ -77,10 +75,10 @@ BAD = [
     (["--adaptive", "--verify-cost", "nan"], "verify_cost must be a finite number >= 0"),
     (["--adaptive", "--round-overhead", "inf"], "round_overhead must be a finite number >= 0"),
     (["--seed", "-1"], "seeds must be in [0, 2**32)"),
-    (["--draft", "{root}/draft-vocab"], "draft vocab size 300 differs"),
     ([], "no prompt given"),
     (["--drafter", "medusa"], "the medusa drafter was given model weights"),
     (["--drafter", "ngram"], "the ngram drafter takes no draft weights"),
+    (["--chat"], "chat: the target has no chat template"),
 ]
 
 
@@ -141,6 +139,16 @@ def test_cli_runs_every_drafter_kind(ckpts, capsys):
     assert out["stats"]["drafter"] == kind and len(out["outputs"][0]["token_ids"]) == 6
   assert cli.main(base + ["--drafter", "eagle"]) == 2
   assert "needs --draft DIR for a target other than the shipped one" in capsys.readouterr().err
+
+
+def test_cli_dtype(ckpts, capsys):
+  base = ["--target", str(ckpts / "target"), "--draft", str(ckpts / "draft"), "--prompt", "abc", "--json",
+          "--max-new-tokens", "4"]
+  assert cli.main(base + ["--dtype", "bfloat16"]) == 0
+  assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 4
+  with pytest.raises(SystemExit):
+    cli.main(base + ["--dtype", "float16"])
+  assert "invalid choice" in capsys.readouterr().err
 
 
 def test_cli_ignore_eos_decodes_past_eos(ckpts, capsys):

@@ -144,7 +144,7 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   @chex.assert_max_traces(n=1)
   def run(decoder, prompts, lens, temperature, seeds):
     requests = decode.Requests(prompts, lens, jnp.full((2,), 6), engine.as_sampling(temperature, 0, 1.0, 2), seeds,
-                               decode.eos_ids(target.config, 2))
+                               decode.stop_ids(target.config, 2))
     return decode.run(decoder, decode.start(decoder, requests, capacity=128)).tokens
 
   for i in range(3):

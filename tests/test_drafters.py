@@ -26,7 +26,7 @@ def make_draft(kind: str, target, seed: int = 1):
   if kind == "medusa":
     return testing.random_heads(drafters.MedusaDrafter(target.config, 5), seed)
   if kind == "eagle":
-    return testing.random_heads(drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1)), seed)
+    return testing.random_heads(drafters.EagleDrafter.for_target(target.config), seed)
   return None
 
 
@@ -70,7 +70,7 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   @jax.jit
   def fresh(tokens_BxP, lens_B):
     requests = decode.Requests(tokens_BxP, lens_B, jnp.full((batch,), 64), sp, jnp.arange(batch),
-                               decode.eos_ids(target.config, batch))
+                               decode.stop_ids(target.config, batch))
     return decode.start(decoder, requests, capacity)
 
   @jax.jit

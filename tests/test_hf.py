@@ -1,6 +1,9 @@
-"""Hugging Face import: logits and greedy tokens match transformers for llama, qwen2 and mistral.
+"""Hugging Face import, one family at a time: logits, greedy and speculative tokens against transformers.
 
-Needs the `[interop]` extra (torch, transformers); the rest of the suite runs without it.
+Each family is a tiny random model built by `transformers` with what makes it differ switched on (RoPE
+scaling active past `original_max_position_embeddings`, sliding windows shorter than the prompt, GQA,
+soft-caps, q/k norms, fused projections). Needs the `[interop]` extra (torch, transformers); the rest of the
+suite runs without it.
 """
 import dataclasses
 import json
@@ -17,82 +20,217 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import model, testing  # noqa: E402
+from jspec import convert, hf, model, pairing, testing  # noqa: E402
 from jspec.checkpoint import save  # noqa: E402
-from jspec.tokenizer import byte_tokenizer  # noqa: E402
+from jspec.tokenizer import byte_tokenizer, encode  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+COMMON = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3,
-              bos_token_id=None, eos_token_id=256, pad_token_id=None)
-TYPES = {
-    "llama": (transformers.LlamaConfig, dict(rope_theta=10000.0, tie_word_embeddings=False)),
-    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=True)),
-    "mistral": (transformers.MistralConfig, dict(rope_theta=10000.0, sliding_window=None,
-                                                 tie_word_embeddings=False)),
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# family -> (config class, its settings); prompts of 20 tokens decode 24 more: past position 32 (where the
+# RoPE scalings start to matter) and far past the windows of 8.
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, dict(rope_scaling=LLAMA3, tie_word_embeddings=False)),
+    "llama-linear": (transformers.LlamaConfig, dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                                    tie_word_embeddings=True)),
+    "llama-dynamic": (transformers.LlamaConfig, dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                                                     max_position_embeddings=32)),
+    "qwen2": (transformers.Qwen2Config, dict(rope_scaling=YARN, use_sliding_window=True, sliding_window=8,
+                                             max_window_layers=1, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32, rope_scaling=YARN, tie_word_embeddings=False)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=8, head_dim=16)),
+    "gemma2": (transformers.Gemma2Config, dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                               attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "phi3": (transformers.Phi3Config, dict(partial_rotary_factor=0.5, sliding_window=8)),
 }
+PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, 256, 20)]
+NEW = 24
 
 
-def make_hf(tmp: pathlib.Path, kind: str, seed: int = 0, shard: bool = False, **overrides):
-  cls, extra = TYPES[kind]
+def make_hf(tmp: pathlib.Path, family: str, seed: int = 0, shard: bool = False, **overrides):
+  """A random transformers model of the family (norm weights randomized too), saved with the byte tokenizer."""
+  cls, extra = FAMILIES[family]
   torch.manual_seed(seed)
-  cfg = cls(**{**COMMON, **extra, **overrides})
-  m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-  path = tmp / f"{kind}-{seed}"
+  m = transformers.AutoModelForCausalLM.from_config(cls(**{**COMMON, **extra, **overrides}),
+                                                    attn_implementation="eager").float().eval()
+  with torch.no_grad():
+    for name, p in m.named_parameters():
+      if "norm" in name:
+        p.add_(0.2 * torch.randn_like(p))
+  path = tmp / f"{family}-{seed}"
   m.save_pretrained(path, **({"max_shard_size": "100KB"} if shard else {}))
   byte_tokenizer().save(str(path / "tokenizer.json"))
   return m, path
 
 
-def hf_greedy(m, prompt_ids, new):
-  out = m.generate(torch.tensor([prompt_ids]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
+def hf_greedy(m, prompt_ids, new, **kw):
+  with torch.no_grad():
+    out = m.generate(torch.tensor([prompt_ids]), max_new_tokens=new, do_sample=False, **kw)
   return out[0, len(prompt_ids):].tolist()
 
 
-@pytest.mark.parametrize("kind", list(TYPES))
-def test_logits_and_greedy_match_transformers(tmp_path, kind):
-  m, path = make_hf(tmp_path, kind, shard=kind == "llama")
-  if kind == "llama":
+def hf_logits(m, tokens):
+  with torch.no_grad():
+    return m(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(tmp_path, family):
+  m, path = make_hf(tmp_path, family, shard=family == "llama")
+  if family == "llama":
     assert (path / "model.safetensors.index.json").is_file()  # the sharded layout is exercised
   ours = jspec.load(path)
-  tokens = np.random.default_rng(0).integers(0, 256, size=(2, 37))
-  with torch.no_grad():
-    want = m(torch.tensor(tokens)).logits.numpy()
+  tokens = np.random.default_rng(0).integers(0, 256, size=(2, 48))
   got = np.asarray(model.forward_full(ours.params, tokens, ours.config)[0])
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(got, hf_logits(m, tokens), atol=1e-4, rtol=1e-4)
 
-  prompt = [10, 20, 30, 40, 50]
-  want_ids = hf_greedy(m, prompt, 24)
-  assert jspec.generate(ours, [prompt], max_new_tokens=24).token_ids[0] == want_ids
-  draft_m, draft_path = make_hf(tmp_path, "llama", seed=1, num_hidden_layers=1)
-  spec = jspec.generate(ours, [prompt], draft=jspec.load(draft_path), max_new_tokens=24, draft_len=3)
-  assert spec.token_ids[0] == want_ids
+  plain = jspec.generate(ours, [PROMPT], max_new_tokens=NEW).token_ids[0]
+  layers = {"layer_types": FAMILIES[family][1]["layer_types"][:2]} if family == "gemma3" else {}
+  _, draft_path = make_hf(tmp_path, family, seed=1, num_hidden_layers=2, **layers)
+  spec = jspec.generate(ours, [PROMPT], draft=jspec.load(draft_path), max_new_tokens=NEW, draft_len=3)
+  assert spec.token_ids[0] == plain
+  # The target as its own draft accepts (nearly) everything: whole rounds of K+1 tokens, windows included.
+  itself = jspec.generate(ours, [PROMPT], draft=ours, max_new_tokens=NEW, draft_len=3)
+  assert itself.token_ids[0] == plain and itself.stats.acceptance_rate > 0.9
+  if family == "llama-dynamic":
+    # Dynamic NTK under jit is pinned to the request's final length: each token is the argmax of a full
+    # forward over the finished sequence, which is what transformers computes for that sequence (checked
+    # above). transformers' own generate re-derives the frequencies as the sequence grows, and keeps keys
+    # rotated the old way in its cache, so token-by-token it is not comparable past position 32.
+    testing.assert_target_argmax(ours, PROMPT, plain)
+  else:
+    assert plain == hf_greedy(m, PROMPT, NEW)
+
+  # python -m jspec.convert, then the jspec checkpoint reads back the same model.
+  assert convert.main([str(path), str(tmp_path / "converted")]) == 0
+  back = jspec.load(tmp_path / "converted")
+  assert back.config == ours.config
+  jax.tree.map(np.testing.assert_array_equal, back.params, ours.params)
 
 
-def test_convert_cli_and_bad_hf_dirs(tmp_path):
-  m, path = make_hf(tmp_path, "qwen2")
-  out = tmp_path / "converted"
-  proc = subprocess.run([sys.executable, "-m", "jspec.convert", str(path), str(out)], capture_output=True,
-                        text=True, cwd=REPO, timeout=300)
-  assert proc.returncode == 0, proc.stderr
-  a, b = jspec.load(path), jspec.load(out)
-  assert a.config == b.config
-  assert (jspec.generate(a, ["abc"], max_new_tokens=8).token_ids
-          == jspec.generate(b, ["abc"], max_new_tokens=8).token_ids)
+def test_gemma3_multimodal_directory_reads_its_language_model(tmp_path):
+  """A Gemma3ForConditionalGeneration directory: the text model's weights under `language_model.*` and its
+  config under `text_config`."""
+  m, path = make_hf(tmp_path, "gemma3")
+  wrapped = tmp_path / "gemma3-mm"
+  wrapped.mkdir()
+  text = json.loads((path / "config.json").read_text())
+  (wrapped / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                   "vision_config": {"model_type": "siglip_vision_model"}}))
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(path / "model.safetensors"))
+  tensors = {("language_model." + k): v for k, v in tensors.items()}
+  tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((4, 3, 2, 2), np.float32)
+  save_file(tensors, str(wrapped / "model.safetensors"))
+  byte_tokenizer().save(str(wrapped / "tokenizer.json"))
+  ours = jspec.load(wrapped)
+  tokens = np.random.default_rng(0).integers(0, 256, size=(1, 40))
+  np.testing.assert_allclose(np.asarray(model.forward_full(ours.params, tokens, ours.config)[0]),
+                             hf_logits(m, tokens), atol=1e-4, rtol=1e-4)
 
+
+def test_every_eos_id_stops_a_row(tmp_path):
+  m, path = make_hf(tmp_path, "llama")
+  free = hf_greedy(m, PROMPT, NEW)
+  stop_a, stop_b = free[5], free[9]  # tokens greedy decoding will meet
+  stop_b = stop_b if stop_b != stop_a else free[10]
   cfg = json.loads((path / "config.json").read_text())
-  (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-  with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama, mistral, qwen2"):
-    jspec.load(path)
+  for eos, generation in [([999, stop_a], None), (999, {"eos_token_id": [stop_a]}), ([stop_b, stop_a], None)]:
+    (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    (path / "generation_config.json").unlink(missing_ok=True)
+    if generation:
+      (path / "generation_config.json").write_text(json.dumps(generation))
+    ours = jspec.load(path)
+    out = jspec.generate(ours, [PROMPT], max_new_tokens=NEW).token_ids[0]
+    first = min(free.index(t) for t in (stop_a, stop_b) if t in ours.config.stop_ids)
+    assert out == free[:first + 1]
+    hf_eos = [t for t in ours.config.stop_ids if t < 264]
+    assert out == hf_greedy(m, PROMPT, NEW, eos_token_id=hf_eos)  # transformers stops at the same token
+    spec = jspec.generate(ours, [PROMPT], draft=testing.perturbed(ours, 0.3), max_new_tokens=NEW, draft_len=3)
+    assert spec.token_ids[0] == out
+
+
+CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] | trim }}"
+        "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def test_chat_template_renders_as_transformers_does(tmp_path):
+  _, path = make_hf(tmp_path, "llama")
+  (path / "tokenizer_config.json").write_text(json.dumps({
+      "chat_template": CHAT, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+      "tokenizer_class": "PreTrainedTokenizerFast"}))
+  hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+  messages = [{"role": "user", "content": "  def f(x):\n  é "}]
+  want = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  ours = jspec.load(path)
+  assert ours.chat_template.render(messages[0]["content"]) == want
+  ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+  assert encode(ours.tokenizer, want) == list(ids)
+  chat = jspec.generate(ours, [messages[0]["content"]], chat=True, max_new_tokens=4)
+  assert chat.token_ids == jspec.generate(ours, [list(ids)], max_new_tokens=4).token_ids
+  # The template is kept through a conversion to a jspec checkpoint.
+  assert convert.main([str(path), str(tmp_path / "converted")]) == 0
+  assert jspec.load(tmp_path / "converted").chat_template == ours.chat_template
+
+  # Untrusted templates run sandboxed, and every failure is one line.
+  for template, message in [("{{ raise_exception('no system role') }}", "no system role"),
+                            ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "failed to render"),
+                            ("{% for %}", "failed to render")]:
+    broken = dataclasses.replace(ours, chat_template=dataclasses.replace(ours.chat_template, template=template))
+    with pytest.raises(ValueError, match=message):
+      jspec.generate(broken, ["hi"], chat=True, max_new_tokens=2)
+  with pytest.raises(ValueError, match="no chat template"):
+    jspec.generate(dataclasses.replace(ours, chat_template=None), ["hi"], chat=True)
+
+
+def test_a_draft_with_a_padded_vocabulary(tmp_path):
+  """Qwen2.5's drafts pad the embedding to other sizes than their targets, with the same tokenizer."""
+  _, path = make_hf(tmp_path, "qwen2")
+  target = jspec.load(path)
+  plain = jspec.generate(target, [PROMPT], max_new_tokens=NEW).token_ids
+  for rows in (257, 300):  # fewer and more rows than the target's 264; the tokenizer has 257 tokens
+    _, draft_path = make_hf(tmp_path, "qwen2", seed=rows, num_hidden_layers=1, vocab_size=rows)
+    draft = jspec.load(draft_path)
+    assert jspec.generate(target, [PROMPT], draft=draft, max_new_tokens=NEW, draft_len=3).token_ids == plain
+    sampled = jspec.generate(target, [PROMPT] * 8, draft=draft, max_new_tokens=NEW, draft_len=3, temperature=1.0)
+    assert all(max(ids) < 264 for ids in sampled.token_ids)
+    # Proposals are over the target's vocabulary and never past the smaller one.
+    decoder = pairing.make_decoder(target, draft, None, 1)
+    logits = decoder.drafter._logits(draft.params, np.ones((1, 1, 64), np.float32))
+    assert logits.shape[-1] == 264 and np.all(np.isneginf(np.asarray(logits)[..., min(rows, 264):]))
+
+
+def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
+  m, path = make_hf(tmp_path, "qwen2")
+  cfg = json.loads((path / "config.json").read_text())
+  for change, message in [
+      ({"model_type": "gpt2"}, "unsupported model_type 'gpt2': jspec reads gemma2, gemma3, llama, mistral, phi3"),
+      ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling.rope_type 'longrope'"),
+      ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "unsupported RoPE scaling type 'su'"),
+      ({"hidden_act": "relu"}, "unsupported hidden_act 'relu'"),
+      ({"mlp_bias": True}, "unsupported: attention_bias or mlp_bias")]:
+    (path / "config.json").write_text(json.dumps({**cfg, **change, "rope_parameters": None}))
+    with pytest.raises(ValueError, match=message):
+      jspec.load(path)
   (path / "config.json").write_text(json.dumps(cfg))
 
-  raw = (path / "model.safetensors").read_bytes()
-  size = int.from_bytes(raw[:8], "little")
-  header = json.loads(raw[8:8 + size])
-  del header["model.norm.weight"]
-  new_header = json.dumps(header).encode()
-  (path / "model.safetensors").write_bytes(len(new_header).to_bytes(8, "little") + new_header + raw[8 + size:])
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(path / "model.safetensors"))
+  save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, str(path / "model.safetensors"))
   with pytest.raises(ValueError, match="tensor model.norm.weight is missing"):
+    jspec.load(path)
+  raw = (path / "model.safetensors").read_bytes()
+  (path / "model.safetensors").write_bytes(raw[:len(raw) // 2])  # truncated
+  with pytest.raises(ValueError, match="not a readable safetensors file"):
     jspec.load(path)
 
   (path / "tokenizer.json").unlink()
@@ -101,31 +239,44 @@ def test_convert_cli_and_bad_hf_dirs(tmp_path):
   assert proc.returncode == 2 and "no tokenizer.json" in proc.stderr and proc.stderr.count("\n") == 1
 
 
+def test_bf16_weights_load_as_bf16(tmp_path):
+  m, path = make_hf(tmp_path, "llama")
+  m.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+  byte_tokenizer().save(str(tmp_path / "bf16" / "tokenizer.json"))
+  half = jspec.load(tmp_path / "bf16", dtype="bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(half.params)} == {jax.numpy.dtype("bfloat16")}
+  assert len(jspec.generate(half, [PROMPT], max_new_tokens=4).token_ids[0]) == 4
+  with pytest.raises(ValueError, match="unsupported dtype 'float16'"):
+    jspec.load(path, dtype="float16")
+
+
 def test_to_hf_export_loads_in_transformers_and_assisted_generation_matches(tmp_path):
   # jspec -> HF Llama (`python -m jspec.convert --to-hf`): transformers computes the same logits, its assisted
   # generation gives jspec's speculative greedy tokens, and jspec reads the export back unchanged.
   target = testing.random_model(dataclasses.replace(testing.TINY, tie_embeddings=False), scale=2.0)
   draft = testing.perturbed(target, 0.3)
-  hf = {}
+  exported = {}
   for name, m in [("target", target), ("draft", draft)]:
     save(m, tmp_path / name)
     proc = subprocess.run([sys.executable, "-m", "jspec.convert", "--to-hf", str(tmp_path / name),
                            str(tmp_path / f"{name}-hf")], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    hf[name] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf", dtype=torch.float32).eval()
+    exported[name] = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf",
+                                                                       dtype=torch.float32).eval()
   back = jspec.load(tmp_path / "target-hf")
   assert back.config == target.config
   for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(target.params)):
     np.testing.assert_array_equal(a, b)
 
   tokens = np.random.default_rng(0).integers(0, 256, size=(2, 29))
-  with torch.no_grad():
-    want = hf["target"](torch.tensor(tokens)).logits.numpy()
-  np.testing.assert_allclose(np.asarray(model.forward_full(target.params, tokens, target.config)[0]), want,
-                             atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(model.forward_full(target.params, tokens, target.config)[0]),
+                             hf_logits(exported["target"], tokens), atol=1e-4, rtol=1e-4)
   prompt = [10, 20, 30, 40, 50]
   with torch.no_grad():
-    assisted = hf["target"].generate(torch.tensor([prompt]), assistant_model=hf["draft"], do_sample=False,
+    assisted = exported["target"].generate(torch.tensor([prompt]), assistant_model=exported["draft"], do_sample=False,
                                      max_new_tokens=24)[0, len(prompt):].tolist()
   ours = jspec.generate(target, [prompt], draft=draft, max_new_tokens=24, draft_len=3).token_ids[0]
-  assert ours == assisted == hf_greedy(hf["target"], prompt, len(assisted))
+  assert ours == assisted == hf_greedy(exported["target"], prompt, len(assisted), min_new_tokens=len(assisted))
+  gemma = testing.random_model(dataclasses.replace(testing.TINY, norm_plus_one=True))
+  with pytest.raises(ValueError, match="Llama directory, which has no"):
+    hf.save_hf(gemma, tmp_path / "gemma-hf")

@@ -27,7 +27,7 @@ def _hlo(batch, kind, capacity=512):
   decoder = decode.Decoder(target.params, draft_params, target_config=CONFIG, drafter=drafter, spec=spec)
   requests = decode.Requests(np.zeros((batch, 16), np.int32), np.full((batch,), 3, np.int32),
                              np.full((batch,), 8, np.int32), engine.as_sampling(0.0, 0, 1.0, batch),
-                             np.arange(batch, dtype=np.uint32), np.full((batch,), -1, np.int32))
+                             np.arange(batch, dtype=np.uint32), np.full((batch, 1), -1, np.int32))
   return engine.lower(decoder, requests, capacity).compile().as_text()
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from jspec import cache as kvcache
 from jspec import model, testing
-from jspec.config import num_params
+from jspec.config import RopeScaling, num_params
 
 
 def _check_chunks(config, chunk, batch, capacity, prompt_lens, total, seed=0, heads_major=False):
@@ -49,6 +49,37 @@ def test_cache_matches_full_forward_scatter_path_and_qkv_bias_untied(heads_major
                 heads_major=heads_major)
 
 
+# Every family feature at once: sliding windows (one layer windowed, one global), soft-caps, a query scale,
+# q/k norms, sandwich (1 + w) norms, GeGLU, scaled embeddings, partial rotary with YaRN scaling.
+FEATURES = dataclasses.replace(
+    testing.TINY, sliding_windows=(8, 0), attn_softcap=5.0, final_softcap=3.0, query_scale=24.0, qk_norm=True,
+    sandwich_norms=True, norm_plus_one=True, activation="gelu_tanh", scale_embeddings=True,
+    partial_rotary_factor=0.5, rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=32),
+    local_rope_theta=100.0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_cache_matches_full_forward_with_every_family_feature(chunk):
+  # Rows past 136 tokens: the windowed layer skips the blocks no query can see.
+  _check_chunks(FEATURES, chunk, batch=3, capacity=512, prompt_lens=[140, 137, 150], total=175)
+  _check_chunks(FEATURES, chunk, batch=2, capacity=256, prompt_lens=[3, 12], total=30)
+
+
+def test_sliding_window_mask_attends_to_the_last_w_positions_only():
+  """A brute-force check of the window: each position's output equals attention over its last W tokens."""
+  config = dataclasses.replace(testing.TINY, n_layers=1, sliding_windows=(4,))
+  params = model.init_params(config, jax.random.PRNGKey(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 12), 0, config.vocab_size)
+  windowed, _ = model.forward_full(params, tokens, config)
+  full = dataclasses.replace(config, sliding_windows=())
+  for t in range(12):  # position t alone with its last 4 tokens, shifted to their own positions
+    start = max(0, t - 3)
+    positions = jnp.arange(start, t + 1)[None]
+    hidden = model.trunk(params, tokens[:, start:t + 1], positions, full, model.full_attention(full))
+    want = model.logits_from_hidden(params, hidden, full)[0, -1]
+    np.testing.assert_allclose(windowed[0, t], want, atol=1e-5, rtol=1e-5)
+
+
 def test_heads_major_cache_matches_full_forward():
   # The row order a mesh uses when it splits kv heads (row k*B + b): per-row updates and attention.
   _check_chunks(testing.TINY, 2, batch=3, capacity=256, prompt_lens=[7, 1, 130], total=150, heads_major=True)
@@ -70,7 +101,7 @@ def test_rollback_is_only_a_length():
 
 
 def test_num_params_matches_tree():
-  for config in [testing.TINY, dataclasses.replace(testing.TINY, qkv_bias=True, tie_embeddings=False)]:
+  for config in [testing.TINY, dataclasses.replace(testing.TINY, qkv_bias=True, tie_embeddings=False), FEATURES]:
     params = model.init_params(config, jax.random.PRNGKey(0))
     assert sum(x.size for x in jax.tree.leaves(params)) == num_params(config)
 

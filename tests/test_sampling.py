@@ -75,7 +75,7 @@ def test_every_drafter_keeps_the_exact_distribution(pair, kind):
   if kind == "medusa":
     draft = testing.random_heads(drafters.MedusaDrafter(target.config, 3), scale=2.0)
   elif kind == "eagle":
-    draft = testing.random_heads(drafters.EagleDrafter(dataclasses.replace(target.config, n_layers=1)))
+    draft = testing.random_heads(drafters.EagleDrafter.for_target(target.config))
   prompt = PROMPT + PROMPT[:2] if kind == "ngram" else PROMPT  # a repeat, so lookup proposes
   tv, bound, stats = _empirical_tv(target, prompt, (0.7, 3, 1.0), draft=draft, spec=SpecConfig(drafter=kind),
                                    draft_len=3)

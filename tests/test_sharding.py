@@ -30,6 +30,9 @@ def test_greedy_outputs_on_a_mesh_equal_one_device(eight_devices, mesh):
   for kind in ("ar", "spec", "spec_replicated_draft"):
     assert sharded[kind] == single[kind], (mesh, kind)
   assert single["spec"] == single["ar"]
+  # A Hugging Face directory read straight onto the mesh: every tensor in its shards, the same tokens.
+  assert sharded["hf_directory"]["placed_by_the_rules"]
+  assert sharded["hf_directory"]["spec"] == single["spec"]
 
 
 @pytest.mark.parametrize("mesh", ["data=8", "model=8", "data=2,model=4"])

@@ -130,7 +130,7 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
       logits, _, cache = model.forward(params, tokens, positions, cache, config)
       return logits, cache.rewind(cache.lengths - seq)
     hidden = model.trunk(params, tokens, positions, config, lambda i, q, k, v: q)
-    return model.logits_from_hidden(params, hidden), cache
+    return model.logits_from_hidden(params, hidden, config), cache
 
   @functools.partial(jax.jit, donate_argnums=0)
   def run(cache):
@@ -169,7 +169,7 @@ def naive_step_loop(params, config: ModelConfig, batch: int, capacity: int, used
       return jnp.einsum("bhqt,bthd->bqhd", jax.nn.softmax(s, axis=-1), values)
 
     hidden = model.trunk(params, tokens, positions, config, attend)
-    return model.logits_from_hidden(params, hidden), caches
+    return model.logits_from_hidden(params, hidden, config), caches
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def run(k, v):
@@ -267,7 +267,7 @@ def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)), jnp.int32)
   requests = decode.Requests(prompt, jnp.full((batch,), used, jnp.int32), jnp.full((batch,), max_new, jnp.int32),
                              engine.as_sampling(0.0, 0, 1.0, batch), jnp.zeros((batch,), jnp.uint32),
-                             decode.eos_ids(target.config, batch, ignore_eos=True))
+                             decode.stop_ids(target.config, batch, ignore_eos=True))
   return decoder, decode.start(decoder, requests, 512)
 
 

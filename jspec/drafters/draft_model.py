@@ -5,6 +5,9 @@ never fed its own last proposal). Each round's first step feeds the two tokens a
 logits at slot n-1, which catches up in both cases with one fixed shape. Plain target steps (adaptive
 fallback) run no draft forward at all and leave the draft behind by one more token each; the next round
 then catches up with one wider forward of `max_lag + 1` tokens, so d >= n - 1 - max_lag must hold.
+
+The draft may pad its vocabulary to another size than the target's (same tokenizer): its logits are cut or
+padded (with -inf) to the target's width, so it never proposes an id past the smaller of the two.
 """
 from __future__ import annotations
 
@@ -25,8 +28,19 @@ from jspec.sampling import SamplingParams
 class ModelDrafter:
   config: ModelConfig
   max_lag: int = 1  # most tokens the cache may trail the text by at the start of a round
+  vocab_size: int | None = None  # the target's, when the draft's embedding has another number of rows
   kind: str = "model"
   can_skip_rounds = False
+
+  def _logits(self, params, hidden_BxSxD: jax.Array) -> jax.Array:
+    """The draft's logits over the target's vocabulary."""
+    logits = model.logits_from_hidden(params, hidden_BxSxD, self.config)
+    if self.vocab_size is None or self.vocab_size == self.config.vocab_size:
+      return logits
+    if self.vocab_size < self.config.vocab_size:
+      return logits[..., :self.vocab_size]
+    pad = [(0, 0)] * (logits.ndim - 1) + [(0, self.vocab_size - self.config.vocab_size)]
+    return jnp.pad(logits, pad, constant_values=-jnp.inf)
 
   def init(self, batch: int, capacity: int, draft_len: int) -> kvcache.KVCache:
     return kvcache.init_cache(self.config, batch, capacity)
@@ -47,7 +61,7 @@ class ModelDrafter:
                                    self.config)
       # Only slot n-1's logits are needed: the LM head runs on one row (its unused logits are dropped).
       hidden_Bx1xD = jnp.take_along_axis(hidden, (n - 1 - d)[:, None, None], axis=1)
-      return model.logits_from_hidden(params, hidden_Bx1xD)[:, 0], c
+      return self._logits(params, hidden_Bx1xD)[:, 0], c
 
     if self.max_lag <= 1:
       logits_BxV, cache = catch_up(2, cache)
@@ -59,8 +73,8 @@ class ModelDrafter:
     cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
     def step(cache, token_B):
-      logits, _, cache = model.forward(params, token_B[:, None], cache.lengths[:, None], cache, self.config)
-      return cache, logits[:, 0]
+      _, hidden, cache = model.forward(params, token_B[:, None], cache.lengths[:, None], cache, self.config)
+      return cache, self._logits(params, hidden)[:, 0]
 
     return draft_chain(step, cache, logits_BxV, keys_KxBx2, sampling)
 

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jspec import attention, losses, model
 from jspec import cache as kvcache
+from jspec import losses, model
 from jspec.config import ModelConfig
 from jspec.drafters.base import Features, Proposal, draft_chain
 from jspec.sampling import SamplingParams
@@ -40,6 +40,12 @@ class EagleDrafter:
   kind: str = "eagle"
   can_skip_rounds = False
 
+  @classmethod
+  def for_target(cls, target_config: ModelConfig, mlp_dim: int | None = None) -> EagleDrafter:
+    """An EAGLE head for a target: one layer like the target's last, at its width."""
+    return cls(dataclasses.replace(target_config, n_layers=1, mlp_dim=mlp_dim or target_config.mlp_dim,
+                                   sliding_windows=target_config.sliding_windows[-1:]))
+
   def init_params(self, key: jax.Array) -> dict:
     layer_key, fc_key = jax.random.split(key)
     d, dtype = self.config.dim, self.config.jnp_dtype
@@ -52,7 +58,7 @@ class EagleDrafter:
     return x @ params["fc"]
 
   def _features(self, params, x_BxSxD):
-    return model.rms_norm(x_BxSxD, params["final_norm"], self.config.norm_eps)
+    return model.rms_norm(x_BxSxD, params["final_norm"], self.config)
 
   def step(self, params, target_params, cache, feature_BxSxD, next_tokens_BxS, positions_BxS):
     """Predicted features of positions+1 for S (feature, next token) pairs; the cache advances by S."""
@@ -87,13 +93,13 @@ class EagleDrafter:
               sampling: SamplingParams) -> tuple[EagleState, Proposal]:
     n, feats = seq_lens_B, state.features
     feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxT, n)
-    logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None])[:, 0]
+    logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None], self.config)[:, 0]
 
     def step(carry, token_B):
       cache, feature_BxD = carry
       feature, cache = self.step(params, target_params, cache, feature_BxD[:, None], token_B[:, None],
                                  cache.lengths[:, None])
-      return (cache, feature[:, 0]), model.logits_from_hidden(target_params, feature)[:, 0]
+      return (cache, feature[:, 0]), model.logits_from_hidden(target_params, feature, self.config)[:, 0]
 
     (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, sampling)
     return EagleState(cache, feats), proposal
@@ -116,9 +122,9 @@ class EagleDrafter:
       inputs = inputs + jax.random.uniform(key, inputs.shape, inputs.dtype, -noise / 2, noise / 2)
     x = self._inputs(params, target_params, inputs, tokens_BxS[:, 1:])
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    x = model.decoder(params, x, positions, self.config, lambda i, q, k, v: attention.causal_attention(q, k, v))
+    x = model.decoder(params, x, positions, self.config, model.full_attention(self.config))
     pred = self._features(params, x).astype(jnp.float32)
     regression = jnp.mean(optax.huber_loss(pred, hidden_BxSxD[:, 1:].astype(jnp.float32)))  # smooth L1
     return feature_weight * regression + losses.kl(target_logits_BxSxV[:, 1:],
-                                                   model.logits_from_hidden(target_params, pred))
+                                                   model.logits_from_hidden(target_params, pred, self.config))
 

@@ -44,7 +44,7 @@ class MedusaDrafter:
               sampling: SamplingParams) -> tuple[Features, Proposal]:
     num = keys_KxBx2.shape[0]
     heads_BxKxD = self.head_features(params, state.last(seq_lens_B)[:, None], num)[:, 0]
-    logits_BxKxV = model.logits_from_hidden(target_params, heads_BxKxD)
+    logits_BxKxV = model.logits_from_hidden(target_params, heads_BxKxD, self.config)
     tokens_BxK = jnp.stack([next_token(keys_KxBx2[i], logits_BxKxV[:, i], sampling) for i in range(num)], 1)
     return state, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(seq_lens_B.shape, bool))
 
@@ -60,5 +60,5 @@ class MedusaDrafter:
     for k in range(self.num_heads):
       shift = k + 1
       total = total + losses.kl(target_logits_BxSxV[:, shift:],
-                                model.logits_from_hidden(target_params, heads[:, :seq - shift, k]))
+                                model.logits_from_hidden(target_params, heads[:, :seq - shift, k], self.config))
     return total / self.num_heads
