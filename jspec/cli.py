@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import statistics
 import sys
 
 import jspec
@@ -65,7 +66,10 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--ignore-eos", action="store_true",
                  help="decode --max-new-tokens for every prompt, past any EOS (for benchmarks)")
   g.add_argument("--json", action="store_true", help="print one JSON object")
-  g.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
+  g.add_argument("--baseline", action="store_true",
+                 help="also run plain decoding and report the speedup: after one untimed run of each, --repeats "
+                      "timed runs of the two, interleaved; the ratio of their median times")
+  g.add_argument("--repeats", type=int, default=3, metavar="N", help="timed runs of each with --baseline")
 
   g = p.add_argument_group("sampling")
   g.add_argument("--temperature", type=float, default=sampling.temperature, metavar="T", help="0 = greedy")
@@ -170,17 +174,27 @@ def run(args: argparse.Namespace) -> dict:
   target = jspec.load(args.target, dtype=args.dtype, mesh=mesh)
   draft, drafter = load_draft(args, mesh)
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
-  result = jspec.generate(target, prompts, draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft,
-                          **sampling)
+  if args.baseline and args.repeats < 1:
+    raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+  speculative = lambda: jspec.generate(target, prompts, draft=draft, spec=spec, mesh=mesh,
+                                       shard_draft=not args.replicate_draft, **sampling)
+  result = speculative()
   out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
                      for p, t, ids in zip(prompts, result.texts, result.token_ids)],
          "stats": result.stats.to_dict(), "baseline": None, "speedup": None}
   if args.baseline:
-    base = jspec.generate(target, prompts, mesh=mesh, **sampling)
-    out["baseline"] = {"tokens_per_second": base.stats.tokens_per_second,
-                       "wall_seconds": base.stats.wall_seconds,
-                       "token_ids_match": base.token_ids == result.token_ids}
-    out["speedup"] = base.stats.wall_seconds / result.stats.wall_seconds
+    plain = lambda: jspec.generate(target, prompts, mesh=mesh, **sampling)
+    base = plain()  # both have now run once untimed: compiled, and the caches warm
+    walls = {"speculative": [], "plain": []}
+    for _ in range(args.repeats):  # interleaved, so both see the same machine
+      walls["speculative"].append(speculative().stats.wall_seconds)
+      walls["plain"].append(plain().stats.wall_seconds)
+    ratios = [p / s for p, s in zip(walls["plain"], walls["speculative"])]
+    median_plain = statistics.median(walls["plain"])
+    out["baseline"] = {"tokens_per_second": base.stats.emitted_tokens / median_plain,
+                       "wall_seconds": median_plain, "token_ids_match": base.token_ids == result.token_ids,
+                       "repeats": args.repeats, "speedup_min": min(ratios), "speedup_max": max(ratios)}
+    out["speedup"] = median_plain / statistics.median(walls["speculative"])
   return out
 
 
@@ -194,8 +208,10 @@ def print_human(out: dict) -> None:
   if s["acceptance_rate"] is not None:
     line += f"; acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_length']:.2f} tokens/target forward"
   if out["speedup"] is not None:
-    line += f"; {out['speedup']:.2f}x over plain decoding" + \
-            ("" if out["baseline"]["token_ids_match"] else " (tokens differ from plain decoding)")
+    b = out["baseline"]
+    line += f"; {out['speedup']:.2f}x over plain decoding (median of {b['repeats']}, " \
+            f"{b['speedup_min']:.2f}-{b['speedup_max']:.2f}x)" + \
+            ("" if b["token_ids_match"] else " (tokens differ from plain decoding)")
   print(line)
 
 

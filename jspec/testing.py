@@ -6,9 +6,11 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jspec import drafters, model
+from jspec import drafters, model, sampling
+from jspec.api import generate
 from jspec.config import ModelConfig
 from jspec.model import Model
 from jspec.tokenizer import byte_tokenizer
@@ -50,6 +52,36 @@ def assert_target_argmax(target: Model, prompt_ids: list[int], out_ids: list[int
     row = logits[len(prompt_ids) - 1 + i]
     top2 = np.sort(row)[-2:]
     assert tok == row.argmax() or top2[1] - row[tok] < 1e-5, f"token {i}: {tok} vs argmax {row.argmax()}"
+
+
+def exact_two_token_law(m: Model, prompt: list[int], temperature: float, top_k: int, top_p: float) -> np.ndarray:
+  """[V, V]: the probability of the first two tokens after `prompt` under the sampling transform, by
+  enumerating every first token (for a tiny vocabulary)."""
+  vocab = m.config.vocab_size
+  full = lambda batch: sampling.SamplingParams(jnp.full((batch,), temperature, jnp.float32),
+                                               jnp.full((batch,), top_k, jnp.int32),
+                                               jnp.full((batch,), top_p, jnp.float32))
+  logits = model.forward_full(m.params, np.asarray([prompt + [a] for a in range(vocab)]), m.config)[0]
+  first = sampling.probabilities(logits[:1, len(prompt) - 1:len(prompt)], full(1))[0, 0]
+  second = sampling.probabilities(logits[:, len(prompt):len(prompt) + 1], full(vocab))[:, 0]
+  return np.asarray(first)[:, None] * np.asarray(second)
+
+
+def tv_bound(p: np.ndarray, n: int) -> float:
+  """Expected TV distance of an n-sample histogram from p, plus a McDiarmid margin for failure probability
+  1e-4."""
+  return float(0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + np.sqrt(np.log(1e4) / (2 * n)))
+
+
+def two_token_tv(target: Model, prompt: list[int], sp: tuple[float, int, float], n: int, **kw):
+  """(TV distance of n decoded two-token samples from the exact law, the bound it must stay under, the
+  request's stats). `kw` goes to `jspec.generate` (a draft, speculation settings)."""
+  want = exact_two_token_law(target, prompt, *sp)
+  r = generate(target, [prompt] * n, max_new_tokens=2, temperature=sp[0], top_k=sp[1], top_p=sp[2], seed=11, **kw)
+  counts = np.zeros_like(want)
+  for a, b in r.token_ids:
+    counts[a, b] += 1
+  return 0.5 * np.abs(counts / n - want).sum(), tv_bound(want, n), r.stats
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:

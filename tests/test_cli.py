@@ -79,6 +79,7 @@ BAD = [
     (["--drafter", "medusa"], "the medusa drafter was given model weights"),
     (["--drafter", "ngram"], "the ngram drafter takes no draft weights"),
     (["--chat"], "chat: the target has no chat template"),
+    (["--baseline", "--repeats", "0"], "--repeats must be >= 1"),
 ]
 
 
@@ -117,7 +118,9 @@ def test_cli_json_end_to_end_in_a_subprocess(ckpts, tmp_path):
   out = json.loads(proc.stdout)
   assert [o["prompt"] for o in out["outputs"]] == ["def f(", "x = "]
   assert all(len(o["token_ids"]) == 5 for o in out["outputs"])
-  assert out["baseline"]["token_ids_match"] is True and out["speedup"] > 0
+  base = out["baseline"]
+  assert base["token_ids_match"] is True and out["speedup"] > 0 and base["repeats"] == 3
+  assert base["speedup_min"] <= out["speedup"] <= base["speedup_max"]
   for key in ["acceptance_rate", "mean_accepted_length", "rounds", "target_forwards", "draft_forwards",
               "drafted_tokens", "accepted_tokens", "emitted_tokens", "per_position_acceptance",
               "tokens_per_second", "wall_seconds", "compile_seconds"]:

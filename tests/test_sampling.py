@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import drafters, model, sampling, testing
+from jspec import drafters, sampling, testing
 from jspec.settings import AdaptiveConfig, SpecConfig
 from jspec.verify import verify, verify_greedy, verify_typical
 
@@ -18,24 +18,8 @@ PROMPT = [1, 5, 2]
 N = 3000
 
 
-def _params(temperature, top_k, top_p, batch=1):
-  return sampling.SamplingParams(temperature=jnp.full((batch,), temperature, jnp.float32),
-                                 top_k=jnp.full((batch,), top_k, jnp.int32),
-                                 top_p=jnp.full((batch,), top_p, jnp.float32))
-
-
 def exact_joint(m, sp, prompt=PROMPT):
-  """P(first two tokens) under the sampling transform, by enumerating every first token."""
-  seqs = np.asarray([prompt + [a] for a in range(VOCAB)])
-  logits = model.forward_full(m.params, seqs, m.config)[0]
-  first = sampling.probabilities(logits[:1, len(prompt) - 1:len(prompt)], _params(*sp))[0, 0]
-  second = sampling.probabilities(logits[:, len(prompt):len(prompt) + 1], _params(*sp, batch=VOCAB))[:, 0]
-  return np.asarray(first)[:, None] * np.asarray(second)
-
-
-def tv_bound(p, n):
-  """Expected TV of an n-sample histogram, plus a McDiarmid margin for failure probability 1e-4."""
-  return 0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + np.sqrt(np.log(1e4) / (2 * n))
+  return testing.exact_two_token_law(m, prompt, *sp)
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +29,7 @@ def pair():
 
 
 def _empirical_tv(target, prompt, sp, **kw):
-  want = exact_joint(target, sp, prompt)
-  r = jspec.generate(target, [prompt] * N, max_new_tokens=2, temperature=sp[0], top_k=sp[1], top_p=sp[2],
-                     seed=11, **kw)
-  counts = np.zeros((VOCAB, VOCAB))
-  for a, b in r.token_ids:
-    counts[a, b] += 1
-  return 0.5 * np.abs(counts / N - want).sum(), tv_bound(want, N), r.stats
+  return testing.two_token_tv(target, prompt, sp, N, **kw)
 
 
 @pytest.mark.parametrize("sp", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8)], ids=["t1", "t07-topk3", "topp08"])
@@ -59,7 +37,7 @@ def _empirical_tv(target, prompt, sp, **kw):
 def test_first_two_tokens_match_the_exact_distribution(pair, sp, draft_len):
   target, draft = pair
   # The test can fail: the draft's own distribution is far outside the bound.
-  assert 0.5 * np.abs(exact_joint(draft, sp) - exact_joint(target, sp)).sum() > 3 * tv_bound(
+  assert 0.5 * np.abs(exact_joint(draft, sp) - exact_joint(target, sp)).sum() > 3 * testing.tv_bound(
       exact_joint(target, sp), N)
   kw = dict(draft=draft, draft_len=draft_len) if draft_len else {}
   tv, bound, stats = _empirical_tv(target, PROMPT, sp, **kw)

@@ -1,0 +1,210 @@
+"""A prepared accelerator check: one command, one JSON file, under 8 minutes on one H100/H200-class GPU.
+
+  PYTHONPATH=. python3 tools/gpu_check.py --out gpu-check.json   # on a machine with one GPU, no network
+  python tools/gpu_check.py --smoke --out /tmp/gpu-check.json     # tiny shapes, any backend (CI runs it)
+
+Sections, each timed and recorded even when a later one fails or the budget runs out:
+- lossless: the losslessness checks that matter, on this device: greedy speculative decoding equals plain
+  decoding and the target's full-forward argmax; the exact law of the first two sampled tokens on an 8-token
+  vocabulary; the cached forward in chunks equals the full forward;
+- target: plain decoding of a Llama-3-8B-shaped random bf16 target, ms per token, against the
+  weight-streaming bound (its weights' bytes over this device's measured copy bandwidth);
+- verify: a forward of N = 1..64 tokens per row over one of 1 token, on that target;
+- rounds: a speculative round with a Llama-3.2-1B-shaped random draft, K = 2..8, in target steps;
+- shipped: the shipped pair's speedup (greedy, batch 1, K = 4), interleaved medians.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+import time
+import traceback
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench import interleaved, step_loop  # noqa: E402
+from jax import lax  # noqa: E402
+
+import jspec  # noqa: E402
+from jspec import cache as kvcache  # noqa: E402
+from jspec import decode, engine, model, pairing, shipped, testing  # noqa: E402
+from jspec.config import ModelConfig, num_params  # noqa: E402
+from jspec.settings import SpecConfig  # noqa: E402
+from jspec.tokenizer import byte_tokenizer  # noqa: E402
+
+LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                        mlp_dim=14336, rope_theta=500000.0, tie_embeddings=False, max_seq_len=8192,
+                        dtype="bfloat16")
+LLAMA32_1B = dataclasses.replace(LLAMA3_8B, dim=2048, n_layers=16, head_dim=64, mlp_dim=8192, tie_embeddings=True)
+SMOKE_TARGET = dataclasses.replace(testing.TINY, eos_id=None)
+SMOKE_DRAFT = dataclasses.replace(SMOKE_TARGET, n_layers=1)
+TOKENIZER = byte_tokenizer()  # random models need one only to be paired: the same object for both
+
+
+def lossless(smoke: bool) -> dict:
+  target = testing.random_model(SMOKE_TARGET, seed=0, scale=2.0)
+  draft = testing.perturbed(target, 0.5)
+  prompts = [[1, 2, 3], [7] * 9, list(range(40, 60))]
+  plain = jspec.generate(target, prompts, max_new_tokens=32)
+  spec = jspec.generate(target, prompts, draft=draft, max_new_tokens=32, draft_len=4)
+  argmax_ok = True
+  for p, ids in zip(prompts, spec.token_ids):
+    try:
+      testing.assert_target_argmax(target, p, ids)
+    except AssertionError:
+      argmax_ok = False
+  small = dataclasses.replace(SMOKE_TARGET, vocab_size=8)
+  small_target = testing.random_model(small, seed=0, scale=1.0)
+  draws = 300 if smoke else 4000
+  tv, bound, stats = testing.two_token_tv(small_target, [1, 5, 2], (1.0, 0, 1.0), draws,
+                                          draft=testing.perturbed(small_target, 1.0, seed=4), draft_len=3)
+  # The cached forward, fed in chunks of 3 over a ragged batch, against the full forward.
+  params = model.init_params(SMOKE_TARGET, jax.random.PRNGKey(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, SMOKE_TARGET.vocab_size)
+  full, _ = model.forward_full(params, tokens, SMOKE_TARGET)
+  cache = kvcache.init_cache(SMOKE_TARGET, 2, 128)
+  worst = 0.0
+  for start in range(0, 39, 3):
+    pos = jnp.broadcast_to(jnp.arange(start, start + 3), (2, 3))
+    logits, _, cache = model.forward(params, tokens[:, start:start + 3], pos, cache, SMOKE_TARGET)
+    worst = max(worst, float(jnp.abs(logits - full[:, start:start + 3]).max()))
+  return {"greedy_speculative_equals_plain": spec.token_ids == plain.token_ids,
+          "greedy_equals_full_forward_argmax": argmax_ok,
+          "two_token_tv": tv, "two_token_tv_bound": bound, "two_token_law_exact": tv < bound,
+          "acceptance_rate": stats.acceptance_rate, "cached_forward_max_error": worst,
+          "cached_forward_matches": worst < 1e-4}
+
+
+def bandwidth_gb_s(smoke: bool) -> float:
+  """Device memory bandwidth: a jitted copy of a large buffer (read once, written once)."""
+  x = jnp.ones((2 ** (20 if smoke else 30),), jnp.bfloat16)
+  copy = jax.jit(lambda x: x * 1)
+  t = interleaved({"copy": lambda: jax.block_until_ready(copy(x))}, 1 if smoke else 5)["copy"]
+  return 2 * x.nbytes / t / 1e9
+
+
+def init_on_device(config: ModelConfig, seed: int) -> dict:
+  """Random parameters created on the device (no host copy)."""
+  return jax.jit(lambda k: model.init_params(config, k))(jax.random.PRNGKey(seed))
+
+
+def target_section(config: ModelConfig, params, smoke: bool) -> dict:
+  bw = bandwidth_gb_s(smoke)
+  m = jspec.Model(config, params, TOKENIZER)
+  prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
+  decoder = pairing.make_decoder(m, None, None, 1)
+  width = engine.prompt_bucket(len(prompt[0]))
+  requests = decode.Requests(np.pad(np.asarray(prompt, np.int32), ((0, 0), (0, width - len(prompt[0])))),
+                             np.asarray([len(prompt[0])], np.int32), np.asarray([new], np.int32),
+                             engine.as_sampling(0.0, 0, 1.0, 1), np.zeros((1,), np.uint32),
+                             decode.stop_ids(config, 1, ignore_eos=True))
+  capacity = kvcache.round_capacity(decode.required_capacity(width, new, 0))
+  executable, compile_s = engine.compiled_run(decoder, requests, capacity)
+  first = requests.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
+  t = interleaved({"decode": lambda: jax.block_until_ready(executable(decoder, requests)),
+                   "first": lambda: jax.block_until_ready(executable(decoder, first))}, 1 if smoke else 3)
+  ms = (t["decode"] - t["first"]) / (new - 1) * 1e3
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  bound = weight_bytes / (bw * 1e9) * 1e3
+  return {"params": num_params(config), "dtype": config.dtype, "bandwidth_gb_s": bw, "ar_ms_per_token": ms,
+          "weight_streaming_bound_ms": bound, "bound_over_measured": bound / ms, "compile_seconds": compile_s}
+
+
+def verify_section(config: ModelConfig, params, smoke: bool) -> dict:
+  ns = (1, 2, 4, 8) if smoke else (1, 2, 4, 8, 16, 32, 64)
+  fns = {n: step_loop(model.with_head(params), config, 1, 512, 256, n, True, steps=8)[0] for n in ns}
+  t = interleaved(fns, 1 if smoke else 3)
+  return {"verify_over_step": {n: t[n] / t[1] for n in ns}}
+
+
+def rounds_section(target_config: ModelConfig, target_params, draft_config: ModelConfig, smoke: bool) -> dict:
+  target = jspec.Model(target_config, target_params, TOKENIZER)
+  draft = jspec.Model(draft_config, init_on_device(draft_config, 1), TOKENIZER)
+  out = {"draft_params": num_params(draft_config), "round_in_target_steps": {}}
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (1, 256)), jnp.int32)
+  for k in ((2, 3) if smoke else (2, 4, 8)):
+    decoder = pairing.make_decoder(target, draft, SpecConfig(k, drafter="model"), 1)
+    decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
+    requests = decode.Requests(prompt, jnp.full((1,), 256, jnp.int32), jnp.full((1,), 10 ** 6, jnp.int32),
+                               engine.as_sampling(0.0, 0, 1.0, 1), jnp.zeros((1,), jnp.uint32),
+                               decode.stop_ids(target_config, 1, ignore_eos=True))
+    state = jax.jit(functools.partial(decode.start, capacity=512))(decoder, requests)
+
+    def timed(step, state=state, decoder=decoder):
+      run = jax.jit(lambda s: lax.fori_loop(0, 8, lambda i, s: step(decoder, s), s).seq_lens)
+      return lambda: jax.block_until_ready(run(state))
+    t = interleaved({"round": timed(decode.speculative_step), "step": timed(decode.autoregressive_step)},
+                    1 if smoke else 3)
+    out["round_in_target_steps"][k] = t["round"] / t["step"]
+  return out
+
+
+def shipped_section(smoke: bool) -> dict:
+  target, draft = jspec.load(shipped.TARGET), jspec.load(shipped.DRAFTS["model"])
+  prompts = ["def parse_args(argv):\n", "class Stack:\n    def push(self, item):\n"]
+  new = 16 if smoke else 128
+  kw = dict(max_new_tokens=new, ignore_eos=True)
+  t = interleaved({"plain": lambda: jspec.generate(target, prompts[:1], **kw),
+                   "speculative": lambda: jspec.generate(target, prompts[:1], draft=draft, draft_len=4, **kw)},
+                  1 if smoke else 3)
+  same = jspec.generate(target, prompts, draft=draft, **kw).token_ids == jspec.generate(target, prompts,
+                                                                                          **kw).token_ids
+  return {"speedup": t["plain"] / t["speculative"], "greedy_identical": same, "max_new_tokens": new}
+
+
+def to_json(result: dict) -> str:
+  return json.dumps(result, indent=2, default=lambda x: x.item() if hasattr(x, "item") else str(x))
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="gpu-check.json")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes, for a check of the script itself")
+  ap.add_argument("--budget", type=float, default=420.0, help="seconds; later sections are skipped past it")
+  args = ap.parse_args(argv)
+  start = time.perf_counter()
+  result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
+            "smoke": args.smoke, "sections": {}}
+  target_config = dataclasses.replace(SMOKE_TARGET, dtype="bfloat16") if args.smoke else LLAMA3_8B
+  draft_config = dataclasses.replace(SMOKE_DRAFT, dtype="bfloat16") if args.smoke else LLAMA32_1B
+  state = {}
+
+  def target_params():
+    if "params" not in state:
+      state["params"] = init_on_device(target_config, 0)
+    return state["params"]
+
+  sections = {
+      "lossless": lambda: lossless(args.smoke),
+      "target": lambda: target_section(target_config, target_params(), args.smoke),
+      "verify": lambda: verify_section(target_config, target_params(), args.smoke),
+      "rounds": lambda: rounds_section(target_config, target_params(), draft_config, args.smoke),
+      "shipped": lambda: shipped_section(args.smoke)}
+  for name, run in sections.items():
+    if time.perf_counter() - start > args.budget:
+      result["sections"][name] = {"skipped": f"over the {args.budget:.0f} s budget"}
+      continue
+    t0 = time.perf_counter()
+    try:
+      result["sections"][name] = run()
+    except Exception as e:  # a failed section is recorded; the others still run
+      result["sections"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    result["sections"][name]["seconds"] = time.perf_counter() - t0
+    pathlib.Path(args.out).write_text(to_json(result))
+    print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+  result["seconds"] = time.perf_counter() - start
+  pathlib.Path(args.out).write_text(to_json(result))
+  print(to_json(result))
+  return 0 if all("error" not in s for s in result["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
