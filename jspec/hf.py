@@ -152,13 +152,13 @@ class _Tensors:
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
         ["model.safetensors"]
-    self.path, self.where = path, {}
+    self.path, self.where, self.handles = path, {}, {}  # each file opened (memory-mapped) once
     for f in files:
       if not (path / f).is_file():
         raise ValueError(f"{path}: missing weights file {f}")
       try:
-        with safe_open(path / f, framework="numpy") as handle:
-          self.where.update({name: path / f for name in handle.keys()})
+        self.handles[path / f] = handle = safe_open(path / f, framework="numpy")
+        self.where.update({name: path / f for name in handle.keys()})
       except SafetensorError as e:
         raise ValueError(f"{path / f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
     # The language model's tensors sit under a prefix: "model.", "language_model.model.", ...
@@ -169,8 +169,7 @@ class _Tensors:
   def get(self, name: str, dtype) -> np.ndarray:
     if name not in self.where:
       raise ValueError(f"{self.path}: tensor {name} is missing from the safetensors files")
-    with safe_open(self.where[name], framework="numpy") as handle:
-      return handle.get_tensor(name).astype(dtype, copy=False)
+    return self.handles[self.where[name]].get_tensor(name).astype(dtype, copy=False)
 
 
 def _layer_names(config: ModelConfig) -> dict[str, str]:

@@ -36,9 +36,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
       raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
     kind = drafter_kind(draft)
     _check_fit(target, draft, spec)
-    drafter = draft.drafter if kind != "model" else ModelDrafter(
-        draft.config, vocab_size=None if draft.config.vocab_size == target.config.vocab_size
-        else target.config.vocab_size)
+    drafter = draft.drafter if kind != "model" else ModelDrafter(draft.config, vocab_size=target.config.vocab_size)
     params, measured = draft.params, draft.cost_models.get(kind)
   if spec.disable_at_batch_size is not None and batch >= spec.disable_at_batch_size:
     return plain  # vLLM's rule: large batches gain little from speculation

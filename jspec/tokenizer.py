@@ -74,14 +74,19 @@ class ChatTemplate:
   def render(self, prompt: str) -> str:
     """`prompt` as a single user turn, with the generation prompt after it (what transformers'
     `apply_chat_template(..., add_generation_prompt=True)` renders)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
-    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     try:
-      return env.from_string(self.template).render(
+      return _compiled(self.template).render(
           messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **dict(self.special_tokens))
     except (jinja2.TemplateError, ValueError, TypeError) as e:
       raise ValueError(f"the chat template failed to render: {' '.join(str(e).split())[:200]}") from None
+
+
+@functools.lru_cache(maxsize=8)  # a batch of prompts compiles its template once
+def _compiled(template: str) -> jinja2.Template:
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                     extensions=["jinja2.ext.loopcontrols"])
+  env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  return env.from_string(template)
 
 
 def _raise(message: str):

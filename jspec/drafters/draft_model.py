@@ -28,7 +28,7 @@ from jspec.sampling import SamplingParams
 class ModelDrafter:
   config: ModelConfig
   max_lag: int = 1  # most tokens the cache may trail the text by at the start of a round
-  vocab_size: int | None = None  # the target's, when the draft's embedding has another number of rows
+  vocab_size: int | None = None  # the target's; None: the draft's own
   kind: str = "model"
   can_skip_rounds = False
 
