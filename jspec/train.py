@@ -128,6 +128,13 @@ def main(argv=None) -> int:
   ap.add_argument("--config", required=True)
   ap.add_argument("--steps", type=int, help="override the configured step count (smoke runs)")
   ap.add_argument("--workdir", help="override the configured workdir")
+  ap.add_argument("--init-from", metavar="DIR",
+                  help="start from these saved weights (a checkpoint of the model trained) at --start-step, with "
+                       "a fresh optimizer state: a run continued on a machine without its workdir")
+  ap.add_argument("--start-step", type=int, default=0, help="with --init-from: the schedule's step to resume at")
+  ap.add_argument("--save-latest", action="store_true",
+                  help="write the weights of the workdir's latest step to the configured output and stop (its step "
+                       "is in train_log.json; --init-from continues from there)")
   args = ap.parse_args(argv)
   cfg = json.loads(pathlib.Path(args.config).read_text())
   tcfg = dict(cfg["train"], **({"steps": args.steps} if args.steps else {}))
@@ -147,7 +154,14 @@ def main(argv=None) -> int:
   manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(
       max_to_keep=2, save_interval_steps=tcfg.get("save_every", 200)))
   start_step = 0
-  if manager.latest_step() is not None:
+  if args.init_from and manager.latest_step() is None:
+    init = load(args.init_from).params
+    if jax.tree.structure(init) != jax.tree.structure(params):
+      raise SystemExit(f"{args.init_from} holds other weights than this config trains")
+    start_step = args.start_step
+    state = {"params": init, "opt_state": opt.init(init)}
+    print(f"starting from {args.init_from} at step {start_step}, with a fresh optimizer state", flush=True)
+  elif manager.latest_step() is not None:
     start_step = manager.latest_step()
     state = manager.restore(start_step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
     print(f"resumed from step {start_step} in {workdir}", flush=True)
@@ -164,25 +178,26 @@ def main(argv=None) -> int:
   validate = lambda: float(np.mean([eval_metric(state["params"], b) for b in val_batches]))
 
   tokens_per_step = tcfg["batch"] * tcfg["seq_len"]
-  bar = tqdm(range(start_step, tcfg["steps"]), desc="train", initial=start_step, total=tcfg["steps"])
+  last = start_step if args.save_latest else tcfg["steps"]
+  bar = tqdm(range(start_step, last), desc="train", initial=start_step, total=tcfg["steps"])
   start, val, history = time.perf_counter(), float("nan"), []
-  if start_step == 0:
+  if start_step == 0 and not args.save_latest:
     history.append({"step": 0, task.metric: validate()})
   for step in bar:
     state, loss = train_step(state, batch_at(shards["train"], step, tcfg["batch"], tcfg["seq_len"], seed))
     done = step + 1
-    if done % tcfg.get("eval_every", 200) == 0 or done == tcfg["steps"]:
+    if done % tcfg.get("eval_every", 200) == 0 or done == last:
       val = validate()
       history.append({"step": done, task.metric: val})
     manager.save(done, args=ocp.args.StandardSave(state))
-    if step % 10 == 0 or done == tcfg["steps"]:
+    if step % 10 == 0 or done == last:
       rate = tokens_per_step * (done - start_step) / (time.perf_counter() - start)
       bar.set_postfix(loss=f"{float(loss):.3f}", val=f"{val:.3f}", tok_s=f"{rate:.0f}")
   manager.wait_until_finished()
   out = pathlib.Path(cfg["out"])
   task.save(state["params"], out)
   val = validate()
-  log = {task.metric: val, "steps": tcfg["steps"], "tokens_seen": tcfg["steps"] * tokens_per_step,
+  log = {task.metric: val, "steps": last, "tokens_seen": last * tokens_per_step,
          "wall_seconds_this_run": time.perf_counter() - start, "history": history}
   (out / "train_log.json").write_text(json.dumps(log, indent=2))
   print(f"saved {out}: {task.metric} {val:.3f}")

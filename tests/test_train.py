@@ -1,6 +1,7 @@
 """Corpus split, BPE round trip, and training smoke runs: the loss goes down, distillation works, resume works."""
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,6 +63,20 @@ def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
   assert train.main(["--config", str(_config(tmp_path, "target", 30))]) == 0
   log2 = json.loads((tmp_path / "target" / "train_log.json").read_text())
   assert [h["step"] for h in log2["history"]] == [30]
+
+  # --save-latest writes the workdir's latest step again, without training.
+  before = jspec.load(tmp_path / "target").params
+  assert train.main(["--config", str(_config(tmp_path, "target", 30)), "--save-latest"]) == 0
+  assert json.loads((tmp_path / "target" / "train_log.json").read_text())["steps"] == 30
+  jax.tree.map(np.testing.assert_array_equal, jspec.load(tmp_path / "target").params, before)
+
+  # Continued from saved weights alone (another machine, no workdir): it starts at the given step and
+  # keeps what the weights had learned.
+  fresh = _config(tmp_path, "continued", 40)
+  assert train.main(["--config", str(fresh), "--init-from", str(tmp_path / "target"), "--start-step", "30"]) == 0
+  log3 = json.loads((tmp_path / "continued" / "train_log.json").read_text())
+  assert [h["step"] for h in log3["history"]] == [40]
+  assert log3["validation_ce"] < log["history"][0]["validation_ce"] - 0.5
 
   draft_cfg = _config(tmp_path, "draft", 20, teacher=str(tmp_path / "target"), ce_weight=0.1)
   assert train.main(["--config", str(draft_cfg)]) == 0
