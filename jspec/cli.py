@@ -5,23 +5,29 @@ Parsing imports no JAX, so `--help` and `--version` answer at once.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
+import logging
+import os
 import pathlib
 import statistics
 import sys
+import time
 
 import jspec
-from jspec import shipped
+from jspec import outputs, shipped
 from jspec.settings import DRAFTERS, DTYPES, MAX_DRAFT_LEN, MAX_NGRAM, AdaptiveConfig, SamplingConfig, SpecConfig
 
 EXAMPLES = """examples:
   python -m jspec.generate --prompt "def parse_args("
   python -m jspec.generate --prompt "def f(" --prompt "class A:" --max-new-tokens 96 --baseline --json
-  python -m jspec.generate --drafter eagle --adaptive --temperature 0.7 --top-p 0.95 --prompt "import os"
+  python -m jspec.generate --drafter eagle --no-adaptive --temperature 0.7 --top-p 0.95 --prompt "import os"
   python -m jspec.generate --target HF_DIR --draft HF_DRAFT_DIR --prompt "Hello"
+  python -m jspec.generate --prompt-file prompts.txt --batch-size 8 --output out.jsonl
   python -m jspec.generate --mesh data=2,model=4 --prompt-file prompts.jsonl --json
 """
+log = logging.getLogger("jspec")
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -65,7 +71,16 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt")
   g.add_argument("--ignore-eos", action="store_true",
                  help="decode --max-new-tokens for every prompt, past any EOS (for benchmarks)")
-  g.add_argument("--json", action="store_true", help="print one JSON object")
+  g.add_argument("--batch-size", type=int, default=8, metavar="B",
+                 help="rows decoded together; more prompts than this are decoded by continuous batching: each "
+                      "finished row takes the next prompt")
+  g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                 help="print text as it is accepted (default: when stdout is a terminal, without --json and "
+                      "--output)")
+  g.add_argument("--output", metavar="FILE.jsonl",
+                 help="write one JSON line per prompt as it finishes; a rerun skips the prompts already there")
+  g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+  g.add_argument("--quiet", action="store_true", help="no status lines or progress bar on stderr")
   g.add_argument("--baseline", action="store_true",
                  help="also run plain decoding and report the speedup: after one untimed run of each, --repeats "
                       "timed runs of the two, interleaved; the ratio of their median times")
@@ -89,9 +104,10 @@ def parser() -> argparse.ArgumentParser:
                  help="decode plainly when the batch has at least this many prompts")
 
   g = p.add_argument_group("adaptive speculation")
-  g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
+  g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                  help="pick each round's K (up to --draft-len) from the carried acceptance, inside the loop, and "
-                      "fall back to plain decoding when acceptance is low (default: off)")
+                      "fall back to plain decoding when acceptance is low; --no-adaptive drafts --draft-len "
+                      "tokens every round (default: on)")
   g.add_argument("--fallback-threshold", type=float, default=adaptive.fallback_threshold, metavar="A",
                  help="plain steps while the windowed acceptance is below this (0 = never)")
   g.add_argument("--probe-interval", type=int, default=adaptive.probe_interval, metavar="N",
@@ -105,6 +121,12 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--round-overhead", type=float, default=None, metavar="O",
                  help="o: a speculative round's time beyond its forwards, in target steps (default: measured, "
                       "else 0)")
+
+  g = p.add_argument_group("compilation")
+  g.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR",
+                 help="keep compiled programs here, so later runs load them instead of compiling "
+                      "(default: $JSPEC_COMPILE_CACHE, else jspec/xla under the user's cache directory)")
+  g.add_argument("--no-compile-cache", action="store_true", help="compile every run from scratch")
 
   g = p.add_argument_group("distributed")
   g.add_argument("--mesh", default=None, metavar="SPEC",
@@ -149,41 +171,71 @@ def speculation(args: argparse.Namespace) -> SpecConfig:
                     disable_at_batch_size=args.disable_at_batch_size)
 
 
+def default_compile_cache() -> str:
+  """$JSPEC_COMPILE_CACHE, else jspec/xla under $XDG_CACHE_HOME (~/.cache)."""
+  if os.environ.get("JSPEC_COMPILE_CACHE"):
+    return os.environ["JSPEC_COMPILE_CACHE"]
+  home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(home, "jspec", "xla")
+
+
 def load_draft(args: argparse.Namespace, mesh) -> tuple:
   """(draft weights or None, the drafter kind or None for plain decoding)."""
   if args.no_draft:
     return None, None
   draft_mesh = None if args.replicate_draft else mesh
   if args.draft is not None:
+    log.info("loading the draft %s", args.draft)
     return jspec.load(args.draft, dtype=args.dtype, mesh=draft_mesh), args.drafter
   drafter = args.drafter or shipped.DEFAULT_DRAFTER
   if drafter not in shipped.DRAFTS:
     return None, drafter
   if not shipped.is_target(args.target):
     raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped one")
+  log.info("loading the %s drafter %s", drafter, shipped.DRAFTS[drafter])
   return jspec.load(shipped.DRAFTS[drafter], dtype=args.dtype, mesh=draft_mesh), drafter
 
 
-def run(args: argparse.Namespace) -> dict:
+def output_entry(index: int, prompt: str, text: str, token_ids: list[int], stats) -> dict:
+  return {"index": index, "prompt": prompt, "text": text, "token_ids": token_ids, "stats": stats.to_dict()}
+
+
+def run(args: argparse.Namespace) -> tuple[dict, bool]:
+  """Decodes the prompts as the flags say. Returns the JSON result and whether the texts were printed
+  already (streamed)."""
   prompts = read_prompts(args)
   sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, chat=args.chat)
+                  top_p=args.top_p, ignore_eos=args.ignore_eos, chat=args.chat)
   SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values fail before anything loads
   spec = speculation(args)
+  if args.batch_size < 1:
+    raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+  if args.baseline and args.repeats < 1:
+    raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+  if args.baseline and (args.output or args.stream or len(prompts) > args.batch_size):
+    raise ValueError("--baseline times one batch: give at most --batch-size prompts, and no --output or --stream")
+  output = outputs.JsonlOutput(args.output, prompts) if args.output else None
   mesh = jspec.make_mesh(args.mesh) if args.mesh else None
+  log.info("loading the target %s", args.target)
   target = jspec.load(args.target, dtype=args.dtype, mesh=mesh)
   draft, drafter = load_draft(args, mesh)
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
-  if args.baseline and args.repeats < 1:
-    raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-  speculative = lambda: jspec.generate(target, prompts, draft=draft, spec=spec, mesh=mesh,
-                                       shard_draft=not args.replicate_draft, **sampling)
+  models = dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft)
+  streaming = args.stream if args.stream is not None else sys.stdout.isatty() and not (args.json or args.output)
+  if output is None and not streaming and len(prompts) <= args.batch_size:
+    return run_batch(args, target, models, prompts, sampling), False
+  return run_stream(args, target, models, prompts, sampling, output, streaming and not args.json), streaming
+
+
+def run_batch(args: argparse.Namespace, target, models: dict, prompts: list[str], sampling: dict) -> dict:
+  """The prompts as one batch, in one executable call; with --baseline, timed against plain decoding."""
+  speculative = lambda: jspec.generate(target, prompts, seed=args.seed, **models, **sampling)
   result = speculative()
-  out = {"outputs": [{"prompt": p, "text": t, "token_ids": ids}
-                     for p, t, ids in zip(prompts, result.texts, result.token_ids)],
+  out = {"outputs": [output_entry(i, *row) for i, row in
+                     enumerate(zip(prompts, result.texts, result.token_ids, result.request_stats))],
          "stats": result.stats.to_dict(), "baseline": None, "speedup": None}
   if args.baseline:
-    plain = lambda: jspec.generate(target, prompts, mesh=mesh, **sampling)
+    plain = lambda: jspec.generate(target, prompts, seed=args.seed, mesh=models["mesh"], **sampling)
     base = plain()  # both have now run once untimed: compiled, and the caches warm
     walls = {"speculative": [], "plain": []}
     for _ in range(args.repeats):  # interleaved, so both see the same machine
@@ -198,11 +250,56 @@ def run(args: argparse.Namespace) -> dict:
   return out
 
 
-def print_human(out: dict) -> None:
-  for o in out["outputs"]:
-    print(o["prompt"] + o["text"])
-    print("-" * 40)
+def run_stream(args: argparse.Namespace, target, models: dict, prompts: list[str], sampling: dict,
+               output: outputs.JsonlOutput | None, printing: bool) -> dict:
+  """Segmented decoding: continuous batching over --batch-size slots, text printed as it is accepted
+  (`printing`), lines written to --output as prompts finish, and a progress bar."""
+  from tqdm import tqdm
+
+  todo = [i for i in range(len(prompts)) if output is None or i not in output.done]
+  out = {"outputs": [], "stats": None, "baseline": None, "speedup": None}
+  if not todo:
+    log.info("all %d prompts are in %s already", len(prompts), args.output)
+    return out
+  stream = jspec.stream(target, [prompts[i] for i in todo], seed=[args.seed + i for i in todo],
+                        batch_size=args.batch_size, **models, **sampling)
+  printer = outputs.OrderedPrinter([prompts[i] for i in todo]) if printing else None
+  bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", file=sys.stderr,
+             disable=args.quiet or printer is not None or (output is None and len(todo) <= args.batch_size))
+  ids, texts, totals = collections.defaultdict(list), collections.defaultdict(str), collections.Counter()
+  begin = time.perf_counter()
+  for delta in stream:
+    ids[delta.index] += delta.token_ids
+    texts[delta.index] += delta.text
+    if printer is not None:
+      printer.add(delta.index, delta.text, delta.finished)
+    if not delta.finished:
+      continue
+    index = todo[delta.index]
+    entry = output_entry(index, prompts[index], texts[delta.index], ids[delta.index], delta.stats)
+    out["outputs"].append(entry)
+    if output is not None:
+      output.write(entry)
+    totals.update(tokens=delta.stats.emitted_tokens, drafted=delta.stats.drafted_tokens,
+                  accepted=delta.stats.accepted_tokens)
+    bar.update(1)
+    decoding = time.perf_counter() - begin - stream.compile_seconds
+    bar.set_postfix(tok_s=f"{totals['tokens'] / decoding:.0f}",
+                    acceptance=f"{totals['accepted'] / totals['drafted']:.2f}" if totals["drafted"] else "-")
+  bar.close()
+  out["outputs"].sort(key=lambda e: e["index"])
+  out["stats"] = stream.stats.to_dict()
+  return out
+
+
+def print_human(out: dict, texts: bool) -> None:
+  if texts:
+    for o in out["outputs"]:
+      print(o["prompt"] + o["text"])
+      print(outputs.SEPARATOR)
   s = out["stats"]
+  if s is None:
+    return
   line = f"{s['emitted_tokens']} tokens in {s['wall_seconds']:.3f}s ({s['tokens_per_second']:.1f} tok/s, " \
          f"compile {s['compile_seconds']:.1f}s)"
   if s["acceptance_rate"] is not None:
@@ -225,11 +322,25 @@ def init_distributed(args: argparse.Namespace) -> bool:
   return jax.process_index() == 0
 
 
+def show_status(enabled: bool) -> None:
+  """Status lines ("loading ...", "compiling ...") on stderr."""
+  if enabled and not log.handlers:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+  log.setLevel(logging.INFO if enabled else logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
+  show_status(not (args.quiet or args.json))
   try:
     leader = init_distributed(args)
-    out = run(args)
+    if not args.no_compile_cache:
+      from jspec import engine
+      engine.use_compile_cache(args.compile_cache)
+    out, printed = run(args)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -238,5 +349,5 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     print(json.dumps(out))
   else:
-    print_human(out)
+    print_human(out, texts=not (printed or args.output))
   return 0

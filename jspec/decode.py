@@ -286,9 +286,53 @@ def step(decoder: Decoder, state: DecodeState) -> DecodeState:
   return autoregressive_step(decoder, state) if decoder.drafter is None else speculative_step(decoder, state)
 
 
-def run(decoder: Decoder, state: DecodeState) -> DecodeState:
+def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
+        stop_at_finish: jax.Array | bool = False) -> DecodeState:
   """Decodes until every row is done, in one `lax.while_loop`. Pure: jit it yourself or use
-  `jspec.engine`."""
+  `jspec.engine`.
+
+  A segment: with `max_rounds` it also stops after that many rounds, and with `stop_at_finish` as soon as
+  a row that was running finishes; both are runtime values, so one executable serves every segment, and
+  the host continues the returned state (streaming, refilling finished rows with `insert`). The segments of
+  a request decode exactly what one call would: nothing but the state carries over between rounds."""
   trace_counts["speculative" if decoder.drafter is not None else "autoregressive"] += 1
   decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
-  return lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(decoder, s), state)
+  max_rounds = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
+  running_B = ~state.done
+
+  def more(carry):
+    state, rounds = carry
+    finished = jnp.any(running_B & state.done) & stop_at_finish
+    return ~jnp.all(state.done) & (rounds < max_rounds) & ~finished
+
+  return lax.while_loop(more, lambda c: (step(decoder, c[0]), c[1] + 1), (state, jnp.int32(0)))[0]
+
+
+def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.Array) -> DecodeState:
+  """Starts `requests` (R rows) in rows `[slot, slot + R)` of a running state, as `start` would have in a
+  state of their own: their tokens, caches, drafter state, sampling values, keys and per-row statistics
+  are replaced; the batch-wide statistics keep counting. Rows are contiguous blocks of every per-row
+  buffer, so a mesh's heads-major cache layout cannot take an insert."""
+  if state.target_cache.heads_major:
+    raise ValueError("insert needs batch-major caches (a mesh that splits kv heads lays them out by head)")
+  capacity = state.tokens.shape[1]
+  fresh = start(decoder, requests, capacity, state.layout)
+  leaves, treedef = jax.tree.flatten(state)
+  new_leaves = [x if block is None else lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), slot * block[1],
+                                                                        block[0])
+                for x, y, block in zip(leaves, jax.tree.leaves(fresh), _row_blocks(decoder, requests, capacity))]
+  return jax.tree.unflatten(treedef, new_leaves)
+
+
+def _row_blocks(decoder: Decoder, requests: Requests, capacity: int) -> list[tuple[int, int] | None]:
+  """For each leaf of a `DecodeState`: (axis, rows of it per batch row), or None for a batch-wide leaf,
+  found by comparing the state's shapes for batches of one and two rows."""
+  def shapes(batch):
+    as_batch = lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype)
+    return jax.tree.leaves(jax.eval_shape(lambda r: init_state(decoder, r, capacity),
+                                          jax.tree.map(as_batch, requests)))
+  blocks = []
+  for one, two in zip(shapes(1), shapes(2)):
+    axes = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+    blocks.append((axes[0], two.shape[axes[0]] - one.shape[axes[0]]) if axes else None)
+  return blocks

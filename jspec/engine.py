@@ -1,5 +1,5 @@
-"""Jitted entry points (prefill + loop in one executable), a compile cache keyed by shapes, and placement
-on a device mesh.
+"""Jitted entry points (prefill + loop in one executable; its pieces for segmented decoding), a compile cache
+keyed by shapes, JAX's persistent compilation cache, and placement on a device mesh.
 
 Executables are compiled ahead of time once per (decoder program, batch, prompt bucket, capacity, layout),
 so requests that differ only in prompt text, seeds or sampling values reuse them, and compile time can be
@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,6 +25,7 @@ from jspec.sampling import SamplingParams
 from jspec.stats import DecodeStats
 
 STATIC = ("capacity", "layout")
+log = logging.getLogger("jspec")
 
 
 def _run(decoder: Decoder, requests: Requests, *, capacity: int,
@@ -49,25 +52,62 @@ def lower(decoder: Decoder, requests: Requests, capacity: int, layout: sharding.
   return explicit.lower(decoder, requests)
 
 
+# Jitted pieces for segmented decoding (streaming, continuous batching): the prefill of a batch, a segment
+# of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
+# place on accelerators, and the caller holds only what each call returns.
+start = jax.jit(decode.start, static_argnames=STATIC)
+resume = jax.jit(decode.run, donate_argnames="state")
+insert = jax.jit(decode.insert, donate_argnames="state")
+
 # Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.
 MAX_EXECUTABLES = 32
 _compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 
-def compiled_run(decoder: Decoder, requests: Requests, capacity: int,
-                 layout: sharding.Layout | None = None) -> tuple[Any, float]:
-  """The executable for these argument shapes (call it with `(decoder, requests)`), and the seconds spent
-  compiling it now (0 if cached)."""
-  args = (decoder, requests)
-  key = (capacity, layout, jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+def compiled(name: str, lowering: Callable[[], Any], args: tuple, **static: Any) -> tuple[Any, float]:
+  """The executable `lowering()` compiles, cached by `name`, the static values and the argument shapes,
+  and the seconds spent compiling it now (0 if cached)."""
+  key = (name, tuple(sorted(static.items())), jax.tree.structure(args),
+         tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
   if key in _compiled:
     _compiled.move_to_end(key)
     return _compiled[key], 0.0
-  start = time.perf_counter()
-  _compiled[key] = lower(decoder, requests, capacity, layout).compile()
+  cache_dir = jax.config.jax_compilation_cache_dir
+  log.info("compiling the %s program%s", name, f" (once: it is kept in {cache_dir})" if cache_dir else "")
+  hits, begin = _cache_hits[0], time.perf_counter()
+  _compiled[key] = lowering().compile()
+  seconds = time.perf_counter() - begin
   if len(_compiled) > MAX_EXECUTABLES:
     _compiled.popitem(last=False)
-  return _compiled[key], time.perf_counter() - start
+  log.info("%s the %s program in %.1f s", "loaded" if _cache_hits[0] > hits else "compiled", name, seconds)
+  return _compiled[key], seconds
+
+
+def use_compile_cache(directory: str) -> None:
+  """Keeps every program compiled from now on in `directory` (JAX's persistent compilation cache), so a
+  later process that compiles the same program loads it instead."""
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_cache_hits = [0]  # programs loaded from the persistent compilation cache in this process
+
+
+def _count_cache_hits(event: str, **_) -> None:
+  if event == "/jax/compilation_cache/cache_hits":
+    _cache_hits[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
+
+
+def compiled_run(decoder: Decoder, requests: Requests, capacity: int,
+                 layout: sharding.Layout | None = None) -> tuple[Any, float]:
+  """The executable of `run` for these argument shapes (call it with `(decoder, requests)`), and the
+  seconds spent compiling it now (0 if cached)."""
+  return compiled("decode", lambda: lower(decoder, requests, capacity, layout), (decoder, requests),
+                  capacity=capacity, layout=layout)
 
 
 def release_executables() -> None:
@@ -98,7 +138,13 @@ def place_on_mesh(mesh: Mesh, decoder: Decoder, requests: Requests,
                   shard_draft: bool = True) -> tuple[Decoder, Requests, sharding.Layout]:
   """Places a run's arguments on the mesh by the rules of `jspec.sharding` (the drafter's weights and
   cache too, unless `shard_draft=False` replicates them) and chooses the cache layout."""
-  batch = requests.prompts_BxP.shape[0]
+  decoder, layout = place_decoder(mesh, decoder, requests.prompts_BxP.shape[0], shard_draft)
+  return decoder, sharding.place(requests, mesh), layout
+
+
+def place_decoder(mesh: Mesh, decoder: Decoder, batch: int,
+                  shard_draft: bool = True) -> tuple[Decoder, sharding.Layout]:
+  """The decoder's weights placed on the mesh, and the cache layout for batches of `batch` rows."""
   target_params, drafter_params = decoder.target_params, decoder.drafter_params
   draft_config = getattr(decoder.drafter, "config", None)
   if not sharding.is_placed(target_params, mesh):
@@ -110,5 +156,4 @@ def place_on_mesh(mesh: Mesh, decoder: Decoder, requests: Requests,
   draft_cache = sharding.cache_layout(batch, draft_config if shard_draft else None, mesh)
   layout = sharding.Layout(mesh, sharding.cache_layout(batch, decoder.target_config, mesh), draft_cache,
                            draft_replicated=not shard_draft)
-  decoder = decoder.replace(target_params=target_params, drafter_params=drafter_params)
-  return decoder, sharding.place(requests, mesh), layout
+  return decoder.replace(target_params=target_params, drafter_params=drafter_params), layout

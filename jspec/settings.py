@@ -120,15 +120,16 @@ class SpecConfig:
 
   `drafter` names the kind ("model", "medusa", "eagle", "ngram"); it may be left None when the draft's
   weights imply it. `typical_acceptance` swaps exact rejection sampling for Medusa's typical acceptance,
-  which is LOSSY when sampling (greedy output is unchanged). `adaptive` chooses K per round (None: every
-  round drafts `draft_len`). Batches of `disable_at_batch_size` rows or more decode plainly (vLLM's
-  rule). `trace_rounds` records the first R adaptive decisions in the statistics.
+  which is LOSSY when sampling (greedy output is unchanged). `adaptive` (on by default) chooses K per
+  round, up to `draft_len`, or a plain step when acceptance is low; None: every round drafts `draft_len`.
+  Batches of `disable_at_batch_size` rows or more decode plainly (vLLM's rule). `trace_rounds` records the
+  first R adaptive decisions in the statistics.
   """
   draft_len: int = 4
   drafter: str | None = None
   max_ngram: int = 3
   typical_acceptance: bool = False
-  adaptive: AdaptiveConfig | None = None
+  adaptive: AdaptiveConfig | None = AdaptiveConfig()
   disable_at_batch_size: int | None = None
   trace_rounds: int = 0
 

@@ -32,6 +32,9 @@ class DecodeStats:
   probe_rounds: jax.Array  # adaptive: speculative rounds run during fallback to re-measure
   acceptance: adaptive.Acceptance  # per-row EWMA and window of the per-token acceptance rate
   trace_Rx4: jax.Array  # per round: K, row 0's accepted drafts, its window and EWMA rates
+  row_rounds_B: jax.Array  # per row (request): target forwards it took part in
+  row_drafted_B: jax.Array  # per row: proposals it tested
+  row_accepted_B: jax.Array  # per row: proposals it accepted
 
   @classmethod
   def zeros(cls, batch: int, draft_len: int, window: int, trace_rounds: int = 0) -> DecodeStats:
@@ -40,19 +43,23 @@ class DecodeStats:
                accepted_at_K=jnp.zeros((draft_len,), jnp.int32), emitted=z,
                draft_len_counts_K1=jnp.zeros((draft_len + 1,), jnp.int32), fallback_rounds=z, probe_rounds=z,
                acceptance=adaptive.Acceptance.zeros(batch, window, draft_len),
-               trace_Rx4=jnp.full((trace_rounds, 4), jnp.nan, jnp.float32))
+               trace_Rx4=jnp.full((trace_rounds, 4), jnp.nan, jnp.float32),
+               row_rounds_B=jnp.zeros((batch,), jnp.int32), row_drafted_B=jnp.zeros((batch,), jnp.int32),
+               row_accepted_B=jnp.zeros((batch,), jnp.int32))
 
   def count_forward(self, active_B: jax.Array, num_new_B: jax.Array) -> DecodeStats:
     """One batched target forward in which the active rows emitted `num_new_B` tokens."""
     return self.replace(rounds=self.rounds + active_B.sum(), target_forwards=self.target_forwards + 1,
-                        emitted=self.emitted + num_new_B.sum())
+                        emitted=self.emitted + num_new_B.sum(), row_rounds_B=self.row_rounds_B + active_B)
 
   def count_verify(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len: int) -> DecodeStats:
     """A verify of `draft_len` proposals; rows not counted (done, or without a proposal) test nothing."""
     accepted_BxK = counted_B[:, None] & (jnp.arange(draft_len) < n_accepted_B[:, None])
+    drafted_B, accepted_B = draft_len * counted_B, jnp.where(counted_B, n_accepted_B, 0)
     return self.replace(
-        draft_forwards=self.draft_forwards + draft_len, drafted=self.drafted + draft_len * counted_B.sum(),
-        accepted=self.accepted + jnp.where(counted_B, n_accepted_B, 0).sum(),
+        draft_forwards=self.draft_forwards + draft_len, drafted=self.drafted + drafted_B.sum(),
+        accepted=self.accepted + accepted_B.sum(), row_drafted_B=self.row_drafted_B + drafted_B,
+        row_accepted_B=self.row_accepted_B + accepted_B,
         accepted_at_K=self.accepted_at_K.at[:draft_len].add(accepted_BxK.sum(0)),
         acceptance=self.acceptance.record(counted_B, n_accepted_B, draft_len))
 
@@ -127,6 +134,30 @@ class Stats:
                for row in s.trace_Rx4 if not np.isnan(row[0])],
         tokens_per_second=emitted / wall_seconds if wall_seconds > 0 else None,
         wall_seconds=wall_seconds, compile_seconds=compile_seconds)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestStats:
+  """What one prompt's decoding reports (a row of the batch, or a slot's request under continuous
+  batching); `to_dict()` is the `stats` of its output line."""
+  emitted_tokens: int
+  rounds: int  # target forwards the request took part in
+  drafted_tokens: int
+  accepted_tokens: int
+  acceptance_rate: float | None  # accepted / drafted
+  mean_accepted_length: float | None  # tau: tokens per target forward
+
+  @classmethod
+  def of_row(cls, stats: DecodeStats, row: int, emitted_tokens: int) -> RequestStats:
+    """Row `row` of host-side (numpy) statistics."""
+    rounds, drafted = int(stats.row_rounds_B[row]), int(stats.row_drafted_B[row])
+    accepted = int(stats.row_accepted_B[row])
+    return cls(emitted_tokens=emitted_tokens, rounds=rounds, drafted_tokens=drafted, accepted_tokens=accepted,
+               acceptance_rate=accepted / drafted if drafted else None,
+               mean_accepted_length=emitted_tokens / rounds if rounds else None)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -59,6 +59,31 @@ def decode(tok: Tokenizer, ids: list[int]) -> str:
   return tok.decode(ids, skip_special_tokens=True)
 
 
+class IncrementalDecoder:
+  """The text of a growing token sequence, handed out in pieces that are never broken: a character whose
+  UTF-8 bytes span several tokens decodes as U+FFFD until its last byte arrives, so a trailing U+FFFD is
+  held back until more tokens come (or `flush`, at the end, releases it)."""
+
+  def __init__(self, tok: Tokenizer):
+    self.tok, self.ids, self.sent = tok, [], 0  # sent: characters of the text already handed out
+
+  def push(self, ids: list[int]) -> str:
+    """The new complete text after appending `ids`."""
+    self.ids.extend(ids)
+    text = decode(self.tok, self.ids)
+    end = len(text)
+    while end > self.sent and text[end - 1] == "\ufffd":
+      end -= 1
+    piece, self.sent = text[self.sent:end], max(self.sent, end)
+    return piece
+
+  def flush(self) -> str:
+    """Whatever is still held back."""
+    text = decode(self.tok, self.ids)
+    piece, self.sent = text[self.sent:], len(text)
+    return piece
+
+
 @functools.lru_cache(maxsize=16)  # by identity: a loaded pair is checked once, not on every request (~4 ms)
 def same_vocab(a: Tokenizer, b: Tokenizer) -> bool:
   """Whether two tokenizers map the same strings to the same ids."""

@@ -50,7 +50,7 @@ def collectives(mesh, mode):
   requests = decode.Requests(jax.numpy.zeros((8, 16), "int32"), jax.numpy.full((8,), 3, "int32"),
                              jax.numpy.full((8,), 8, "int32"), engine.as_sampling(0.0, 0, 1.0, 8),
                              jax.numpy.arange(8, dtype="uint32"), jax.numpy.full((8, 1), -1, "int32"))
-  decoder = pairing.make_decoder(target, None if mode == "ar" else draft, SpecConfig(3), batch=8)
+  decoder = pairing.make_decoder(target, None if mode == "ar" else draft, SpecConfig(3, adaptive=None), batch=8)
   decoder, requests, layout = engine.place_on_mesh(mesh, decoder, requests, shard_draft=mode == "sharded")
   compiled = engine.lower(decoder, requests, 128, layout).compile()
   text = compiled.as_text()

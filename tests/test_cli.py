@@ -26,6 +26,8 @@ def ckpts(tmp_path_factory):
   (root / "corrupt" / "tokenizer.json").write_text((root / "target" / "tokenizer.json").read_text())
   (root / "corrupt" / "params").mkdir()
   (root / "corrupt" / "params" / "garbage").write_text("not a checkpoint")
+  (root / "other.jsonl").write_text(json.dumps({"index": 0, "prompt": "another prompt", "text": ""}) + "\n")
+  (root / "garbage.jsonl").write_text("not json\n")
   return root
 
 
@@ -80,6 +82,10 @@ BAD = [
     (["--drafter", "ngram"], "the ngram drafter takes no draft weights"),
     (["--chat"], "chat: the target has no chat template"),
     (["--baseline", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--baseline", "--stream"], "--baseline times one batch"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--output", "{root}/other.jsonl"], "prompt 0 is not the same prompt in this run's prompts"),
+    (["--output", "{root}/garbage.jsonl"], "garbage.jsonl:1: not an output line of jspec"),
 ]
 
 
@@ -88,7 +94,7 @@ def test_bad_input_exits_2_with_one_line(ckpts, capsys, extra, message):
   extra = [e.replace("{root}", str(ckpts)) for e in extra]
   if "--prompt" not in extra and message != "no prompt given":
     extra = extra + ["--prompt", "hi"]
-  code = cli.main(_cli(ckpts, *extra))
+  code = cli.main(_cli(ckpts, *extra, "--quiet"))
   err = capsys.readouterr().err
   assert code == 2
   assert message in err and err.count("\n") == 1 and "Traceback" not in err
@@ -125,7 +131,7 @@ def test_cli_json_end_to_end_in_a_subprocess(ckpts, tmp_path):
               "drafted_tokens", "accepted_tokens", "emitted_tokens", "per_position_acceptance",
               "tokens_per_second", "wall_seconds", "compile_seconds"]:
     assert key in out["stats"]
-  bad = subprocess.run([sys.executable, "-m", "jspec.generate", "--target", "/nonexistent", "--prompt", "x"],
+  bad = subprocess.run([sys.executable, "-m", "jspec.generate", "--target", "/nonexistent", "--prompt", "x", "--quiet"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
   assert bad.returncode == 2 and bad.stderr.startswith("error:") and bad.stderr.count("\n") == 1
 
@@ -163,3 +169,42 @@ def test_cli_ignore_eos_decodes_past_eos(ckpts, capsys):
     assert cli.main(base + extra) == 0
     lengths.append(len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]))
   assert lengths == [1, 12]
+
+
+def test_cli_prompt_file_with_continuous_batching_writes_and_resumes_its_output(ckpts, tmp_path, capsys):
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("".join(f"def f{i}(x):\\n    return\n" for i in range(5)))
+  output = tmp_path / "out.jsonl"
+  argv = _cli(ckpts, "--prompt-file", str(prompts), "--batch-size", "2", "--output", str(output), "--json",
+              "--temperature", "1", "--max-new-tokens", "12", "--no-adaptive")
+  assert cli.main(argv) == 0
+  first = json.loads(capsys.readouterr().out)
+  lines = [json.loads(line) for line in output.read_text().splitlines()]
+  assert sorted(e["index"] for e in lines) == list(range(5))
+  by_index = {e["index"]: e for e in lines}
+  for e in first["outputs"]:
+    assert by_index[e["index"]] == e and e["prompt"] == f"def f{e['index']}(x):\n    return"
+    assert e["stats"]["emitted_tokens"] == len(e["token_ids"]) <= 12
+  assert first["stats"]["emitted_tokens"] == sum(len(e["token_ids"]) for e in lines)
+  # An interrupted run: three lines written, the fourth cut short. The rerun decodes only the other two,
+  # with the same per-prompt seeds, and the file ends with every prompt once.
+  kept = output.read_text().splitlines(keepends=True)
+  output.write_text("".join(kept[:3]) + kept[3][:10])
+  assert cli.main(argv) == 0
+  second = json.loads(capsys.readouterr().out)
+  done_first = {json.loads(line)["index"] for line in kept[:3]}
+  assert {e["index"] for e in second["outputs"]} == set(range(5)) - done_first
+  for e in second["outputs"]:
+    assert e["token_ids"] == by_index[e["index"]]["token_ids"]
+  assert sorted(json.loads(line)["index"] for line in output.read_text().splitlines()) == list(range(5))
+  assert cli.main(argv) == 0  # nothing left to do
+  assert json.loads(capsys.readouterr().out)["outputs"] == []
+
+
+def test_cli_stream_prints_what_the_batch_prints(ckpts, capsys):
+  base = _cli(ckpts, "--prompt", "abc", "--prompt", "hello there", "--max-new-tokens", "10", "--quiet")
+  assert cli.main(base + ["--no-stream"]) == 0
+  batch = capsys.readouterr().out.splitlines()
+  assert cli.main(base + ["--stream"]) == 0
+  streamed = capsys.readouterr().out.splitlines()
+  assert streamed[:-1] == batch[:-1] and len(batch) > 3  # the texts; the last line is the statistics

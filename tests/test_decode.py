@@ -9,6 +9,9 @@ import jspec
 from jspec import decode, engine, pairing, testing, tokenizer
 
 NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+# A fixed K every round: with adaptive speculation (the default) K is chosen for the whole batch, so a
+# sampled row's tokens depend on its neighbours, and the counts on the schedule.
+FIXED_K = jspec.SpecConfig(adaptive=None)
 PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\n", "class Foo:\n    def __init__(self"]
 
 
@@ -43,7 +46,7 @@ def test_draft_equal_to_target_accepts_everything(pair, draft_len):
   target, _ = pair
   rounds = 5
   r = jspec.generate(target, PROMPTS[:1], draft=target, max_new_tokens=rounds * (draft_len + 1),
-                     draft_len=draft_len)
+                     draft_len=draft_len, spec=FIXED_K)
   s = r.stats
   assert s.acceptance_rate == 1.0
   assert s.mean_accepted_length == draft_len + 1
@@ -54,7 +57,7 @@ def test_draft_equal_to_target_accepts_everything(pair, draft_len):
 def test_stats_identities(pair):
   target, draft = pair
   max_new, draft_len = 23, 4
-  r = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=max_new, draft_len=draft_len)
+  r = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=max_new, draft_len=draft_len, spec=FIXED_K)
   s = r.stats
   emitted = sum(len(ids) for ids in r.token_ids)
   assert s.emitted_tokens == emitted == max_new * len(PROMPTS)
@@ -73,7 +76,7 @@ def test_eos_stops_each_row_and_nothing_follows_it():
   target = testing.random_model(config, seed=3, scale=1.0)
   draft = testing.perturbed(target, 0.3)
   prompts = [[1, 2], [5], [7, 8, 9, 10], [0, 0, 0]]
-  for kwargs in [{}, dict(draft=draft, draft_len=3)]:
+  for kwargs in [{}, dict(draft=draft, draft_len=3, spec=FIXED_K)]:
     r = jspec.generate(target, prompts, max_new_tokens=40, temperature=1.0, seed=7, **kwargs)
     lengths = [len(ids) for ids in r.token_ids]
     for ids in r.token_ids:
@@ -122,7 +125,7 @@ def test_prompt_buckets_hold_the_prompt_with_at_most_a_third_padding():
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
   target, draft = pair
-  kw = dict(draft=draft, max_new_tokens=16, draft_len=3, temperature=1.0)
+  kw = dict(draft=draft, max_new_tokens=16, draft_len=3, temperature=1.0, spec=FIXED_K)
   a = jspec.generate(target, PROMPTS[:2], seed=1, **kw)
   b = jspec.generate(target, PROMPTS[:2], seed=1, **kw)
   c = jspec.generate(target, PROMPTS[:2], seed=2, **kw)
@@ -138,7 +141,7 @@ def test_chex_max_traces_on_the_pure_loop(pair):
 
   target, draft = pair
   chex.clear_trace_counter()
-  decoder = pairing.make_decoder(target, draft, jspec.SpecConfig(draft_len=3), batch=2)
+  decoder = pairing.make_decoder(target, draft, jspec.SpecConfig(draft_len=3, adaptive=None), batch=2)
 
   @jax.jit
   @chex.assert_max_traces(n=1)

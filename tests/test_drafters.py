@@ -39,7 +39,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len):
   ps = prompts(6)
   ar = jspec.generate(target, ps, max_new_tokens=20)
-  spec = jspec.generate(target, ps, draft=make_draft(kind, target), spec=SpecConfig(drafter=kind),
+  spec = jspec.generate(target, ps, draft=make_draft(kind, target), spec=SpecConfig(drafter=kind, adaptive=None),
                         max_new_tokens=20, draft_len=draft_len)
   assert spec.stats.drafter == kind
   assert spec.token_ids == ar.token_ids
@@ -51,8 +51,8 @@ def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len)
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
   ps = prompts(3, seed=1)
-  kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind), max_new_tokens=16, draft_len=3,
-            temperature=1.0)
+  kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind, adaptive=None), max_new_tokens=16,
+            draft_len=3, temperature=1.0)
   batched = jspec.generate(target, ps, seed=5, **kw)
   for b, p in enumerate(ps):
     assert jspec.generate(target, [p], seed=[5 + b], **kw).token_ids[0] == batched.token_ids[b]
@@ -63,7 +63,8 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
   prefill of the accepted text, including rows rejected in the middle of their draft."""
   draft_len, batch, width, capacity = 4, 16, 16, 128
-  decoder = pairing.make_decoder(target, make_draft(kind, target), SpecConfig(draft_len, drafter=kind), batch)
+  spec = SpecConfig(draft_len, drafter=kind, adaptive=None)
+  decoder = pairing.make_decoder(target, make_draft(kind, target), spec, batch)
   sp = engine.as_sampling(0.0, 0, 1.0, batch)
   keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
 
@@ -97,7 +98,7 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "ngram"])  # the draft model: tests/test_decode.py
 def test_no_retrace_across_requests(target, kind):
-  kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind), draft_len=3)
+  kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind, adaptive=None), draft_len=3)
   jspec.generate(target, [[1, 2, 3]], max_new_tokens=10, **kw)
   before = dict(decode.trace_counts)
   for i, temp in enumerate([0.0, 0.8, 1.2]):
@@ -116,7 +117,7 @@ def test_ngram_lookup_finds_the_most_recent_longest_match():
 
 
 def test_ngram_without_a_match_runs_plain_target_steps(target):
-  ngram = SpecConfig(drafter="ngram")
+  ngram = SpecConfig(drafter="ngram", adaptive=None)
   r = jspec.generate(target, [[1, 2, 3]], spec=ngram, max_new_tokens=1, draft_len=4)
   assert r.stats.plain_forwards == 1 and r.stats.drafted_tokens == 0
   # On a prompt that repeats itself, the greedy continuation is found in the context.
@@ -153,6 +154,7 @@ def test_shipped_drafters_match_plain_decoding_on_the_shipped_target(kind):
   target = jspec.load(shipped.TARGET)
   draft = jspec.load(shipped.DRAFTS[kind]) if kind in shipped.DRAFTS else None
   prompts = ["def parse_args(argv):\n", "class Stack:\n    def push(self, item):\n"]
-  r = jspec.generate(target, prompts, draft=draft, spec=SpecConfig(drafter=kind), max_new_tokens=32, draft_len=4)
+  r = jspec.generate(target, prompts, draft=draft, spec=SpecConfig(drafter=kind, adaptive=None), max_new_tokens=32,
+                     draft_len=4)
   assert r.token_ids == jspec.generate(target, prompts, max_new_tokens=32).token_ids
   assert r.stats.acceptance_rate > 0.05  # proposals do get accepted

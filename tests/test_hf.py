@@ -262,7 +262,7 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
     jspec.load(path)
 
   (path / "tokenizer.json").unlink()
-  proc = subprocess.run([sys.executable, "-m", "jspec.generate", "--target", str(path), "--prompt", "x"],
+  proc = subprocess.run([sys.executable, "-m", "jspec.generate", "--target", str(path), "--prompt", "x", "--quiet"],
                         capture_output=True, text=True, cwd=REPO, timeout=300)
   assert proc.returncode == 2 and "no tokenizer.json" in proc.stderr and proc.stderr.count("\n") == 1
 

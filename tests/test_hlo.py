@@ -1,6 +1,7 @@
 """The compiled decode loops never copy a whole KV-cache buffer (see jspec/cache.py)."""
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,13 +13,13 @@ CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 
 
-def _hlo(batch, kind, capacity=512):
+def _decoder_and_requests(batch, kind):
   target = testing.random_model(CONFIG)
   draft = testing.random_model(DRAFT, seed=1)
   adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral("model")))
   drafter, draft_params, spec = {
       "autoregressive": (None, None, None),
-      "model": (drafters.ModelDrafter(DRAFT), draft.params, SpecConfig(4)),
+      "model": (drafters.ModelDrafter(DRAFT), draft.params, SpecConfig(4, adaptive=None)),
       # Adaptive rounds pick a branch per round (plain step or K), and the draft catches up after plain
       # steps with a wider forward: branches that write caches, which XLA:CPU must not copy.
       "model-adaptive": (drafters.ModelDrafter(DRAFT, max_lag=17), draft.params, adaptive_spec),
@@ -28,7 +29,11 @@ def _hlo(batch, kind, capacity=512):
   requests = decode.Requests(np.zeros((batch, 16), np.int32), np.full((batch,), 3, np.int32),
                              np.full((batch,), 8, np.int32), engine.as_sampling(0.0, 0, 1.0, batch),
                              np.arange(batch, dtype=np.uint32), np.full((batch, 1), -1, np.int32))
-  return engine.lower(decoder, requests, capacity).compile().as_text()
+  return decoder, requests
+
+
+def _hlo(batch, kind, capacity=512):
+  return engine.lower(*_decoder_and_requests(batch, kind), capacity).compile().as_text()
 
 
 @pytest.mark.parametrize("batch,kind", [
@@ -42,10 +47,25 @@ def test_no_full_cache_copy_in_loop_body(batch, kind):
     assert testing.loop_cache_copies(text, elements) == []
 
 
+def test_segments_update_the_donated_state_in_place():
+  """The segment loop (streaming) copies no cache either, and inserting a prompt into a running batch
+  writes into the donated state's buffers."""
+  import jax.numpy as jnp
+
+  capacity, batch = 512, 4
+  decoder, requests = _decoder_and_requests(batch, "model")
+  state = engine.start(decoder, requests, capacity=capacity)
+  segment = engine.resume.lower(decoder, state, jnp.int32(8), jnp.asarray(True)).compile().as_text()
+  for config in (CONFIG, DRAFT):
+    assert testing.loop_cache_copies(segment, batch * config.n_kv_heads * capacity * config.head_dim) == []
+  one = jax.tree.map(lambda x: x[:1], requests)
+  insert = engine.insert.lower(decoder, state, one, jnp.int32(2)).compile().as_text()
+  assert "input_output_alias" in insert.splitlines()[0]
+
+
 def test_detector_finds_a_copy():
   # The layout the issue started from: a [B, T, K, Dh] buffer written by a vmapped update and read by an
   # einsum makes XLA copy the whole buffer; the detector must see it.
-  import jax
   import jax.numpy as jnp
   from jax import lax
 

@@ -1,6 +1,8 @@
 """The package's shape: no import cycles, light imports where they matter, a public surface that tools and
 tests keep to, and a command line that answers --help without JAX."""
 import ast
+import json
+import os
 import pathlib
 import re
 import subprocess
@@ -103,3 +105,30 @@ def test_tools_and_tests_use_only_public_names():
                for path in (REPO / folder).glob("*.py")
                for m in private.finditer(path.read_text())]
   assert offenders == []
+
+
+def test_an_installed_wheel_finds_the_shipped_models_and_reuses_compiled_programs(tmp_path):
+  """`pip install .` (not editable), then the main command from another directory: the shipped checkpoints
+  come with the package, and a second run loads its program from the persistent compile cache."""
+  subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-q", "-w", str(tmp_path)],
+                 check=True, timeout=300)
+  wheel, = tmp_path.glob("jspec-*.whl")
+  site = tmp_path / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                 check=True, timeout=300)
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  env = {**os.environ, "PYTHONPATH": str(site), "JSPEC_COMPILE_CACHE": str(tmp_path / "xla")}
+  run = lambda *args: subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=elsewhere,
+                                     env=env, timeout=300)
+  where = run("-c", "from jspec import shipped; print(shipped.TARGET)")
+  assert pathlib.Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
+  command = ["-m", "jspec.generate", "--prompt", "def parse_args(", "--max-new-tokens", "8"]
+  first = run(*command, "--json")
+  assert first.returncode == 0, first.stderr
+  out = json.loads(first.stdout)
+  assert out["stats"]["drafter"] == "model" and len(out["outputs"][0]["token_ids"]) == 8
+  second = run(*command)
+  assert second.returncode == 0, second.stderr
+  assert "loading the target" in second.stderr and "loaded the decode program" in second.stderr, second.stderr
+  assert run(*command, "--quiet").stderr == ""

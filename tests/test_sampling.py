@@ -55,8 +55,8 @@ def test_every_drafter_keeps_the_exact_distribution(pair, kind):
   elif kind == "eagle":
     draft = testing.random_heads(drafters.EagleDrafter.for_target(target.config))
   prompt = PROMPT + PROMPT[:2] if kind == "ngram" else PROMPT  # a repeat, so lookup proposes
-  tv, bound, stats = _empirical_tv(target, prompt, (0.7, 3, 1.0), draft=draft, spec=SpecConfig(drafter=kind),
-                                   draft_len=3)
+  tv, bound, stats = _empirical_tv(target, prompt, (0.7, 3, 1.0), draft=draft,
+                                   spec=SpecConfig(drafter=kind, adaptive=None), draft_len=3)
   assert tv < bound, (tv, bound)
   assert 0.02 < stats.acceptance_rate < 0.95
 
@@ -129,12 +129,12 @@ def test_typical_acceptance_is_labelled_lossy_and_keeps_greedy_output(pair):
   target, draft = pair
   greedy = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12)
   typical = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12,
-                           spec=SpecConfig(typical_acceptance=True))
+                           spec=SpecConfig(typical_acceptance=True, adaptive=None))
   assert typical.token_ids == greedy.token_ids
   assert typical.stats.lossy is True and "lossy" in typical.stats.verify
   assert greedy.stats.lossy is False
   sampled = jspec.generate(target, [PROMPT] * 64, draft=draft, draft_len=3, max_new_tokens=12, temperature=1.0,
-                           spec=SpecConfig(typical_acceptance=True))
+                           spec=SpecConfig(typical_acceptance=True, adaptive=None))
   assert all(len(ids) == 12 for ids in sampled.token_ids)
 
 

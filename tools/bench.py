@@ -9,6 +9,8 @@
   python tools/bench.py --suite round   # where a speculative round's time goes (K = 4, batch 1)
   python tools/bench.py --suite prefill # prefill time by prompt bucket width
   python tools/bench.py --suite cost --write   # each shipped drafter's cost model, into its checkpoint
+  python tools/bench.py --suite stream --drafters model --max-new-tokens 128   # streaming's cost (segments)
+  python tools/bench.py --suite batching --drafters model --prompts 256 --max-new-tokens 128 --repeats 2
   python tools/bench.py --quick         # a smoke run of the sweep on tiny random models (CI)
 Writes bench.json (everything), and for the sweep bench.md (tables) and PNG plots, to --out DIR.
 """
@@ -262,7 +264,7 @@ def shipped_pair(kind: str):
 def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max_new: int = 10 ** 6):
   """A decoder (target head untied, as the loop reads it) and its state after prefilling `batch` random
   prompts of `used` tokens, greedy, in a cache of 512 slots."""
-  decoder = pairing.make_decoder(target, draft, SpecConfig(draft_len, drafter=kind), batch)
+  decoder = pairing.make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
   decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)), jnp.int32)
   requests = decode.Requests(prompt, jnp.full((batch,), used, jnp.int32), jnp.full((batch,), max_new, jnp.int32),
@@ -434,7 +436,7 @@ def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, 
   Every row decodes `max_new` tokens (EOS ignored, as vLLM's benchmarks do), so both sides do the same work
   even when sampling, and row r of the cell samples with seed r: one unlucky draw (an early EOS) can neither
   end a request nor repeat across every prompt."""
-  spec_kw = dict(draft=draft, spec=SpecConfig(drafter=kind), draft_len=k)
+  spec_kw = dict(draft=draft, spec=SpecConfig(drafter=kind, adaptive=None), draft_len=k)
   kw = dict(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
   first_kw = dict(max_new_tokens=1)  # a request of one token: prefill, one target step, the host's work
   walls, last, compile_s = {"ar": 0.0, "spec": 0.0, "first": 0.0}, {}, 0.0
@@ -530,7 +532,7 @@ def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int],
 def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
   """Adaptive K (K_max 6) against every fixed K on code, and fallback on prose, each against AR, batch 1,
   greedy, interleaved per prompt, with the drafter's measured cost model (from its checkpoint)."""
-  variants = {f"fixed{k}": dict(draft_len=k, spec=SpecConfig(drafter=kind)) for k in (2, 3, 4, 5, 6)}
+  variants = {f"fixed{k}": dict(draft_len=k, spec=SpecConfig(drafter=kind, adaptive=None)) for k in (2, 3, 4, 5, 6)}
   variants["adaptive"] = dict(draft_len=6, spec=SpecConfig(drafter=kind, adaptive=AdaptiveConfig()))
   variants["adaptive_no_fallback"] = dict(draft_len=6, spec=SpecConfig(
       drafter=kind, adaptive=AdaptiveConfig(fallback_threshold=0.0)))
@@ -571,6 +573,69 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   return out
 
 
+def suite_stream(kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
+  """What streaming costs: the shipped pair with default settings, decoded in one loop (`jspec.generate`)
+  against segments of R rounds (`jspec.stream`, every delta consumed), interleaved, at batch 1 and 4."""
+  target, draft = shipped_pair(kind)
+  prompts = heldout_prompts(prompts_per_set)
+  out = {"drafter": kind, "max_new_tokens": max_new, "batches": {}}
+  for batch in (1, 4):
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    fns = {"loop": lambda: [jspec.generate(target, g, draft=draft, max_new_tokens=max_new) for g in groups]}
+    for rounds in (4, 8, 16):
+      fns[f"segments_of_{rounds}"] = lambda r=rounds: [
+          list(jspec.stream(target, g, draft=draft, max_new_tokens=max_new, segment_rounds=r)) for g in groups]
+    t = interleaved(fns, repeats)
+    out["batches"][batch] = {f"{k}_throughput_vs_loop": t["loop"] / v for k, v in t.items() if k != "loop"}
+    print(json.dumps({batch: out["batches"][batch]}), file=sys.stderr)
+  return out
+
+
+def varied_heldout_prompts(count: int, seed: int = 0) -> list[str]:
+  """Held-out code cut at random lines, with 100 to 1,500 characters of context: prompts of mixed lengths,
+  some close enough to the end of their file that the target ends them (EOS) early."""
+  rng = np.random.default_rng(seed)
+  texts = [t for t in data.read_texts("heldout") if t.count("\n") > 10]
+  prompts = []
+  while len(prompts) < count:
+    lines = texts[rng.integers(len(texts))].splitlines(keepends=True)
+    cut = int(rng.integers(5, len(lines)))
+    prompts.append("".join(lines[:cut])[-int(rng.integers(100, 1500)):])
+  return prompts
+
+
+def suite_batching(kind: str, max_new: int, repeats: int, count: int, slots: int = 8) -> dict:
+  """Continuous batching against static batches of `slots` prompts (both speculative, default settings)
+  and static plain decoding: tokens/s over `count` held-out prompts that stop at their natural EOS."""
+  target, draft = shipped_pair(kind)
+  prompts = varied_heldout_prompts(count)
+  groups = [prompts[i:i + slots] for i in range(0, len(prompts), slots)]
+  emitted = {}
+
+  def static(**kw):
+    return sum(r.stats.emitted_tokens for r in (jspec.generate(target, g, max_new_tokens=max_new, **kw)
+                                                 for g in groups))
+
+  def continuous():
+    stream = jspec.stream(target, prompts, draft=draft, max_new_tokens=max_new, batch_size=slots)
+    for _ in stream:
+      pass
+    return stream.stats.emitted_tokens
+
+  fns = {"static_plain": lambda: emitted.__setitem__("static_plain", static()),
+         "static_speculative": lambda: emitted.__setitem__("static_speculative", static(draft=draft)),
+         "continuous_speculative": lambda: emitted.__setitem__("continuous_speculative", continuous())}
+  t = interleaved(fns, repeats)
+  tps = {k: emitted[k] / v for k, v in t.items()}
+  out = {"drafter": kind, "prompts": count, "slots": slots, "max_new_tokens": max_new,
+         "emitted_tokens": emitted, "tokens_per_second": tps,
+         "continuous_over_static": tps["continuous_speculative"] / tps["static_speculative"],
+         "static_speculative_over_plain": tps["static_speculative"] / tps["static_plain"],
+         "continuous_over_static_plain": tps["continuous_speculative"] / tps["static_plain"]}
+  print(json.dumps(out), file=sys.stderr)
+  return out
+
+
 PROMPT_SETS = {"code": heldout_prompts, "edit": edit_prompts, "prose": prose_prompts}
 
 
@@ -580,7 +645,8 @@ def floats(text: str) -> list[float]:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill", "cost"],
+  ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill", "cost", "stream",
+                                     "batching"],
                   default="sweep")
   ap.add_argument("--write", action="store_true", help="--suite cost: store the cost models in the checkpoints")
   ap.add_argument("--quick", action="store_true", help="a smoke run of the sweep on tiny random models (CI)")
@@ -618,6 +684,10 @@ def main() -> int:
   elif args.suite == "adaptive":
     kind = args.drafters.split(",")[0]
     result = suite_adaptive(*shipped_pair(kind), kind, args.max_new_tokens, args.repeats, args.prompts)
+  elif args.suite == "stream":
+    result = suite_stream(args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
+  elif args.suite == "batching":
+    result = suite_batching(args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   else:
     target = jspec.load(shipped.TARGET)
     drafts = {kind: shipped_pair(kind)[1] for kind in args.drafters.split(",")}

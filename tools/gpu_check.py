@@ -131,7 +131,7 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
   out = {"draft_params": num_params(draft_config), "round_in_target_steps": {}}
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (1, 256)), jnp.int32)
   for k in ((2, 3) if smoke else (2, 4, 8)):
-    decoder = pairing.make_decoder(target, draft, SpecConfig(k, drafter="model"), 1)
+    decoder = pairing.make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
     decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
     requests = decode.Requests(prompt, jnp.full((1,), 256, jnp.int32), jnp.full((1,), 10 ** 6, jnp.int32),
                                engine.as_sampling(0.0, 0, 1.0, 1), jnp.zeros((1,), jnp.uint32),

@@ -1,0 +1,120 @@
+"""Segmented decoding driven from the host: streaming, and continuous batching of many prompts over slots.
+
+The batch has a fixed number of rows (slots). The decode loop runs in segments (`jspec.decode.run` with
+`max_rounds`), each one executable call that keeps the whole loop on the device; between segments the host
+reads the new tokens of every row and hands them out as text deltas. A finished row ends its segment early
+while prompts are waiting, and the next prompt is prefilled into its slot (`jspec.decode.insert`): its
+cache rows, drafter state, sampling values and seed. A prompt's tokens depend only on its own row, so they
+are those it would get decoded alone (with a fixed K; adaptive K is chosen for the whole batch, which
+changes which tokens a sampled row draws, never their distribution).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import cache as kvcache
+from jspec import decode, engine, sharding
+from jspec.decode import Decoder
+from jspec.settings import SamplingConfig
+from jspec.stats import RequestStats, Stats
+from jspec.tokenizer import IncrementalDecoder
+
+# Rounds per segment (one host visit) when streaming: at most a few percent of throughput on the shipped
+# pair (BENCHMARKS.md), and text appears every few tens of milliseconds.
+SEGMENT_ROUNDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  """New output of one prompt since its last delta. The last delta of a prompt has `finished` set and the
+  prompt's statistics."""
+  index: int  # the prompt's position in the request
+  text: str
+  token_ids: list[int]
+  finished: bool = False
+  stats: RequestStats | None = None
+
+
+class Stream:
+  """Iterating yields `Delta`s as rounds are accepted; afterwards `stats` holds the totals."""
+
+  def __init__(self, decoder: Decoder, tokenizer, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], *,
+               slots: int, max_new_tokens: int, sampling: SamplingConfig, ignore_eos: bool,
+               segment_rounds: int = SEGMENT_ROUNDS, layout=None):
+    if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
+      raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
+    self.decoder, self.tokenizer, self.layout = decoder, tokenizer, layout
+    self.prompt_ids, self.seeds = [list(p) for p in prompt_ids], list(seeds)
+    self.slots = slots  # rows of the batch, at most one per prompt
+    self.max_new_tokens, self.sampling, self.ignore_eos = max_new_tokens, sampling, ignore_eos
+    self.segment_rounds = segment_rounds
+    widest = engine.prompt_bucket(max(len(p) for p in self.prompt_ids))
+    self.capacity = kvcache.round_capacity(decode.required_capacity(widest, max_new_tokens, decoder.headroom))
+    self.stats: Stats | None = None
+    self.compile_seconds = 0.0
+
+  def _requests(self, indices: Sequence[int]) -> decode.Requests:
+    rows = [self.prompt_ids[i] for i in indices]
+    prompts_BxP = np.zeros((len(rows), engine.prompt_bucket(max(len(r) for r in rows))), np.int32)
+    for b, ids in enumerate(rows):
+      prompts_BxP[b, :len(ids)] = ids
+    s, n = self.sampling, len(rows)
+    requests = decode.Requests(
+        prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(r) for r in rows], np.int32),
+        max_new_tokens_B=np.full((n,), self.max_new_tokens, np.int32),
+        sampling=engine.as_sampling(s.temperature, s.top_k, s.top_p, n),
+        seeds_B=np.asarray([self.seeds[i] for i in indices], np.uint32),
+        stop_BxE=decode.stop_ids(self.decoder.target_config, n, self.ignore_eos))
+    return requests if self.layout is None else sharding.place(requests, self.layout.mesh)
+
+  def _call(self, name: str, jitted, *args, **static):
+    executable, seconds = engine.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
+    self.compile_seconds += seconds
+    return executable(*args)
+
+  def __iter__(self) -> Iterator[Delta]:
+    decoder, capacity = self.decoder, self.capacity
+    begin = time.perf_counter()
+    pending = collections.deque(range(self.slots, len(self.prompt_ids)))
+    slot_prompt: list[int | None] = list(range(self.slots))
+    text = [IncrementalDecoder(self.tokenizer) for _ in range(self.slots)]
+    sent = [0] * self.slots  # tokens of the slot's prompt already handed out
+    state = self._call("prefill", engine.start, decoder, self._requests(slot_prompt), capacity=capacity,
+                       layout=self.layout)
+    segment = jnp.int32(self.segment_rounds)
+    while True:
+      state = self._call("segment", engine.resume, decoder, state, segment, jnp.asarray(bool(pending)))
+      tokens, seq_lens, done, stats = jax.device_get((state.tokens, state.seq_lens, state.done, state.stats))
+      for b, index in enumerate(slot_prompt):
+        if index is None:
+          continue
+        start = len(self.prompt_ids[index]) + sent[b]
+        new_ids = tokens[b, start:seq_lens[b]].tolist()
+        sent[b] += len(new_ids)
+        delta = text[b].push(new_ids)
+        if not done[b]:
+          if new_ids:
+            yield Delta(index, delta, new_ids)
+          continue
+        yield Delta(index, delta + text[b].flush(), new_ids, finished=True,
+                    stats=RequestStats.of_row(stats, b, sent[b]))
+        slot_prompt[b] = None
+        if pending:  # the next prompt takes the free slot
+          slot_prompt[b] = pending.popleft()
+          text[b], sent[b] = IncrementalDecoder(self.tokenizer), 0
+          state = self._call("insert", engine.insert, decoder, state, self._requests([slot_prompt[b]]),
+                             jnp.int32(b))
+      if all(i is None for i in slot_prompt):
+        break
+    wall = time.perf_counter() - begin - self.compile_seconds
+    spec = decoder.spec if decoder.drafter is not None else None
+    self.stats = Stats.from_device(stats, wall, self.compile_seconds, drafter=spec and spec.drafter,
+                                   lossy=bool(spec and spec.typical_acceptance),
+                                   adaptive=bool(spec and spec.adaptive))

@@ -1,0 +1,126 @@
+"""Segmented decoding: streaming equals one loop, continuous batching equals each prompt alone, and text
+deltas never break a character."""
+import dataclasses
+
+import pytest
+
+import jspec
+from jspec import decode, drafters, testing, tokenizer
+
+NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\nimport os, sys, re\n", "class Foo:\n    def",
+           "ab", "for i in range(10):\n    print(i, i * i, i ** 3)\n"]  # two prompt buckets
+
+
+@pytest.fixture(scope="module")
+def pair():
+  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
+  return target, testing.perturbed(target, 0.5)
+
+
+def collect(stream):
+  """{index: (token ids, text)} from a stream's deltas, checking each prompt finishes exactly once."""
+  ids, texts, finished = {}, {}, set()
+  for d in stream:
+    assert d.index not in finished
+    ids[d.index] = ids.get(d.index, []) + d.token_ids
+    texts[d.index] = texts.get(d.index, "") + d.text
+    if d.finished:
+      finished.add(d.index)
+      assert d.stats.emitted_tokens == len(ids[d.index])
+  assert finished == set(ids)
+  return ids, texts
+
+
+VOLATILE = ("wall_seconds", "compile_seconds", "tokens_per_second")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("segment_rounds", [1, 3])
+def test_segments_decode_exactly_what_one_loop_does(pair, temperature, segment_rounds):
+  """Adaptive K (the default) included: every decision lives in the carried state."""
+  target, draft = pair
+  kw = dict(draft=draft, max_new_tokens=20, temperature=temperature, seed=4)
+  one = jspec.generate(target, PROMPTS, **kw)
+  stream = jspec.stream(target, PROMPTS, segment_rounds=segment_rounds, **kw)
+  ids, texts = collect(stream)
+  assert [ids[i] for i in range(len(PROMPTS))] == one.token_ids
+  assert [texts[i] for i in range(len(PROMPTS))] == one.texts
+  strip = lambda s: {k: v for k, v in s.to_dict().items() if k not in VOLATILE}
+  assert strip(stream.stats) == strip(one.stats)
+  assert stream.stats.target_forwards > 0 and stream.stats.drafted_tokens > 0
+
+
+EOS_LIKELY = dataclasses.replace(testing.TINY, vocab_size=12, eos_id=3)
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_continuous_batching_gives_each_prompt_its_output_alone(kind, temperature):
+  """Rows finish at their own EOS and take new prompts (of other prompt buckets); each prompt's tokens are
+  those it gets decoded alone with its own seed."""
+  target = testing.random_model(EOS_LIKELY, seed=3, scale=1.0)
+  draft = {"model": testing.perturbed(target, 0.3), "ngram": None,
+           "eagle": testing.random_heads(drafters.EagleDrafter.for_target(target.config))}[kind]
+  prompts = [[1, 2], [5], [7, 8, 9, 10] * 5, [0, 0, 0], [4, 5, 6], [9] * 20, [2, 1], [11, 10, 9, 8]]
+  kw = dict(draft=draft, spec=jspec.SpecConfig(drafter=kind, adaptive=None), draft_len=3, max_new_tokens=24,
+            temperature=temperature)
+  ids, _ = collect(jspec.stream(target, prompts, batch_size=3, seed=11, **kw))
+  lengths = {len(v) for v in ids.values()}
+  assert len(lengths) > 1  # rows did finish at different times
+  for i, p in enumerate(prompts):
+    assert ids[i] == jspec.generate(target, [p], seed=[11 + i], **kw).token_ids[0], i
+
+
+FIXED_K = dict(draft_len=3, spec=jspec.SpecConfig(adaptive=None))
+
+
+def test_totals_and_per_prompt_statistics_agree(pair):
+  target, draft = pair
+  stream = jspec.stream(target, PROMPTS, draft=draft, batch_size=2, max_new_tokens=12, **FIXED_K)
+  per_prompt = [d.stats for d in stream if d.finished]
+  s = stream.stats
+  assert sum(r.emitted_tokens for r in per_prompt) == s.emitted_tokens == 12 * len(PROMPTS)
+  assert sum(r.drafted_tokens for r in per_prompt) == s.drafted_tokens
+  assert sum(r.accepted_tokens for r in per_prompt) == s.accepted_tokens
+  assert sum(r.rounds for r in per_prompt) == s.rounds
+  for r in per_prompt:
+    assert r.mean_accepted_length == r.emitted_tokens / r.rounds
+  result = jspec.generate(target, PROMPTS[:2], draft=draft, max_new_tokens=12, **FIXED_K)
+  assert sum(r.emitted_tokens for r in result.request_stats) == result.stats.emitted_tokens
+
+
+def test_no_retrace_across_streams_of_a_bucket(pair):
+  target, draft = pair
+  kw = dict(draft=draft, batch_size=2, **FIXED_K)
+  collect(jspec.stream(target, ["a", "bb", "ccc"], max_new_tokens=10, **kw))
+  before = dict(decode.trace_counts)
+  for i, temperature in enumerate([0.0, 0.8, 1.2]):
+    stream = jspec.stream(target, ["xyz", "q", "hello", "w"][i:], max_new_tokens=10 + i, temperature=temperature,
+                          top_k=3 * i, seed=i, ignore_eos=bool(i % 2), **kw)
+    collect(stream)
+    assert stream.stats.compile_seconds == 0.0
+  assert dict(decode.trace_counts) == before
+
+
+def test_bad_stream_arguments_raise_value_error(pair):
+  target, draft = pair
+  with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+    jspec.stream(target, ["x"], batch_size=0)
+  with pytest.raises(ValueError, match="segment_rounds must be an integer >= 1"):
+    jspec.stream(target, ["x"], segment_rounds=0)
+
+
+def test_text_deltas_never_break_a_character():
+  tok = tokenizer.byte_tokenizer()
+  text = "naïve café → 日本語 🎉 done"
+  ids = tokenizer.encode(tok, text)
+  assert len(ids) > len(text)  # multi-byte characters span several tokens
+  inc = tokenizer.IncrementalDecoder(tok)
+  pieces = [inc.push([t]) for t in ids]
+  assert all("\ufffd" not in p for p in pieces)
+  assert "".join(pieces) + inc.flush() == text
+  # Bytes that never complete a character come out at the end.
+  inc = tokenizer.IncrementalDecoder(tok)
+  assert inc.push(ids[:1] + tokenizer.encode(tok, "é")[:1]) == text[0]
+  assert inc.flush() == "\ufffd"
