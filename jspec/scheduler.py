@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import cache as kvcache
-from jspec import decode, engine, sharding
+from jspec import decode, engine, model, sharding
 from jspec.decode import Decoder
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
@@ -50,6 +50,8 @@ class Stream:
                segment_rounds: int = SEGMENT_ROUNDS, layout=None):
     if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
       raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
+    # The loop materializes the target's LM head at every call; a stream makes many calls, so once here.
+    decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
     self.decoder, self.tokenizer, self.layout = decoder, tokenizer, layout
     self.prompt_ids, self.seeds = [list(p) for p in prompt_ids], list(seeds)
     self.slots = slots  # rows of the batch, at most one per prompt
@@ -59,6 +61,7 @@ class Stream:
     self.capacity = kvcache.round_capacity(decode.required_capacity(widest, max_new_tokens, decoder.headroom))
     self.stats: Stats | None = None
     self.compile_seconds = 0.0
+    self._executables: dict = {}
 
   def _requests(self, indices: Sequence[int]) -> decode.Requests:
     rows = [self.prompt_ids[i] for i in indices]
@@ -75,9 +78,15 @@ class Stream:
     return requests if self.layout is None else sharding.place(requests, self.layout.mesh)
 
   def _call(self, name: str, jitted, *args, **static):
-    executable, seconds = engine.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
-    self.compile_seconds += seconds
-    return executable(*args)
+    """Runs `jitted` through its executable for these shapes. The stream keeps the executables it used:
+    finding one in the engine's cache hashes every argument's shape and static field, which costs more
+    than a segment's call."""
+    key = (name, args[-2].prompts_BxP.shape if name == "insert" else None)
+    if key not in self._executables:
+      executable, seconds = engine.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
+      self._executables[key] = executable
+      self.compile_seconds += seconds
+    return self._executables[key](*args)
 
   def __iter__(self) -> Iterator[Delta]:
     decoder, capacity = self.decoder, self.capacity
@@ -91,7 +100,8 @@ class Stream:
     segment = jnp.int32(self.segment_rounds)
     while True:
       state = self._call("segment", engine.resume, decoder, state, segment, jnp.asarray(bool(pending)))
-      tokens, seq_lens, done, stats = jax.device_get((state.tokens, state.seq_lens, state.done, state.stats))
+      tokens, seq_lens, done, row_stats = jax.device_get((state.tokens, state.seq_lens, state.done, (
+          state.stats.row_rounds_B, state.stats.row_drafted_B, state.stats.row_accepted_B)))
       for b, index in enumerate(slot_prompt):
         if index is None:
           continue
@@ -104,7 +114,7 @@ class Stream:
             yield Delta(index, delta, new_ids)
           continue
         yield Delta(index, delta + text[b].flush(), new_ids, finished=True,
-                    stats=RequestStats.of_row(stats, b, sent[b]))
+                    stats=RequestStats.of_row(*row_stats, row=b, emitted_tokens=sent[b]))
         slot_prompt[b] = None
         if pending:  # the next prompt takes the free slot
           slot_prompt[b] = pending.popleft()
@@ -115,6 +125,6 @@ class Stream:
         break
     wall = time.perf_counter() - begin - self.compile_seconds
     spec = decoder.spec if decoder.drafter is not None else None
-    self.stats = Stats.from_device(stats, wall, self.compile_seconds, drafter=spec and spec.drafter,
-                                   lossy=bool(spec and spec.typical_acceptance),
+    self.stats = Stats.from_device(jax.device_get(state.stats), wall, self.compile_seconds,
+                                   drafter=spec and spec.drafter, lossy=bool(spec and spec.typical_acceptance),
                                    adaptive=bool(spec and spec.adaptive))

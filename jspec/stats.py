@@ -151,10 +151,10 @@ class RequestStats:
   mean_accepted_length: float | None  # tau: tokens per target forward
 
   @classmethod
-  def of_row(cls, stats: DecodeStats, row: int, emitted_tokens: int) -> RequestStats:
-    """Row `row` of host-side (numpy) statistics."""
-    rounds, drafted = int(stats.row_rounds_B[row]), int(stats.row_drafted_B[row])
-    accepted = int(stats.row_accepted_B[row])
+  def of_row(cls, rounds_B: np.ndarray, drafted_B: np.ndarray, accepted_B: np.ndarray, row: int,
+             emitted_tokens: int) -> RequestStats:
+    """Row `row` of `DecodeStats`' per-row counters (fetched to the host)."""
+    rounds, drafted, accepted = int(rounds_B[row]), int(drafted_B[row]), int(accepted_B[row])
     return cls(emitted_tokens=emitted_tokens, rounds=rounds, drafted_tokens=drafted, accepted_tokens=accepted,
                acceptance_rate=accepted / drafted if drafted else None,
                mean_accepted_length=emitted_tokens / rounds if rounds else None)
