@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jspec import decode, sharding
+from jspec import decode, executables, sharding
 from jspec.decode import Decoder, Requests
 from jspec.sampling import SamplingParams
 from jspec.stats import DecodeStats
@@ -66,26 +66,38 @@ _compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 def compiled(name: str, lowering: Callable[[], Any], args: tuple, **static: Any) -> tuple[Any, float]:
   """The executable `lowering()` compiles, cached by `name`, the static values and the argument shapes,
-  and the seconds spent compiling it now (0 if cached)."""
+  and the seconds spent compiling (or loading) it now (0 if cached in this process)."""
   key = (name, tuple(sorted(static.items())), jax.tree.structure(args),
          tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
   if key in _compiled:
     _compiled.move_to_end(key)
     return _compiled[key], 0.0
   cache_dir = jax.config.jax_compilation_cache_dir
-  log.info("compiling the %s program%s", name, f" (once: it is kept in {cache_dir})" if cache_dir else "")
+  stored = executables.path(cache_dir, name, args, static) if cache_dir else None
+  if stored and stored.exists():
+    log.info("loading the %s program", name)
+  else:
+    log.info("compiling the %s program%s", name, f" (once: it is kept in {cache_dir})" if cache_dir else "")
   hits, begin = _cache_hits[0], time.perf_counter()
-  _compiled[key] = lowering().compile()
+  executable = executables.load(stored) if stored else None
+  loaded = executable is not None
+  if executable is None:
+    executable = lowering().compile()
+    loaded = _cache_hits[0] > hits
+    if stored:
+      executables.store(stored, executable)
+  _compiled[key] = executable
   seconds = time.perf_counter() - begin
   if len(_compiled) > MAX_EXECUTABLES:
     _compiled.popitem(last=False)
-  log.info("%s the %s program in %.1f s", "loaded" if _cache_hits[0] > hits else "compiled", name, seconds)
-  return _compiled[key], seconds
+  log.info("%s the %s program in %.1f s", "loaded" if loaded else "compiled", name, seconds)
+  return executable, seconds
 
 
 def use_compile_cache(directory: str) -> None:
-  """Keeps every program compiled from now on in `directory` (JAX's persistent compilation cache), so a
-  later process that compiles the same program loads it instead."""
+  """Keeps every program compiled from now on in `directory`, so a later process that needs the same
+  program loads it instead: the executables themselves (`jspec.executables`: no tracing either), and
+  JAX's persistent compilation cache for what jspec does not compile through `compiled`."""
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

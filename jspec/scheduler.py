@@ -26,9 +26,11 @@ from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
 from jspec.tokenizer import IncrementalDecoder
 
-# Rounds per segment (one host visit) when streaming: at most a few percent of throughput on the shipped
-# pair (BENCHMARKS.md), and text appears every few tens of milliseconds.
-SEGMENT_ROUNDS = 8
+
+# Rounds per segment (one host visit) when streaming: 3% of throughput at batch 1 on the shipped pair
+# (BENCHMARKS.md), and text appears every few tens of milliseconds. A segment also ends when a row
+# finishes, so continuous batching does not wait for it.
+SEGMENT_ROUNDS = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -582,7 +582,7 @@ def suite_stream(kind: str, max_new: int, repeats: int, prompts_per_set: int) ->
   for batch in (1, 4):
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     fns = {"loop": lambda: [jspec.generate(target, g, draft=draft, max_new_tokens=max_new) for g in groups]}
-    for rounds in (4, 8, 16):
+    for rounds in (4, 8, 16, 32):
       fns[f"segments_of_{rounds}"] = lambda r=rounds: [
           list(jspec.stream(target, g, draft=draft, max_new_tokens=max_new, segment_rounds=r)) for g in groups]
     t = interleaved(fns, repeats)

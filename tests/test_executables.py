@@ -1,0 +1,66 @@
+"""Executables kept on disk: a later process loads the program it needs instead of compiling it, and gets
+the same tokens; another program, other shapes or a damaged file never load a wrong executable."""
+import dataclasses
+import logging
+
+import jax
+import pytest
+
+import jspec
+from jspec import engine, executables, testing
+
+NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+  before = jax.config.jax_compilation_cache_dir
+  engine.use_compile_cache(str(tmp_path))
+  engine.release_executables()
+  yield tmp_path
+  jax.config.update("jax_compilation_cache_dir", before)
+  engine.release_executables()
+
+
+def stored(cache_dir):
+  return sorted((cache_dir / executables.SUBDIR).glob("*.bin"))
+
+
+def test_a_new_process_loads_the_program_and_decodes_the_same(cache_dir, caplog):
+  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
+  draft = testing.perturbed(target, 0.5)
+  kw = dict(draft=draft, max_new_tokens=12, temperature=1.0, seed=3)
+  first = jspec.generate(target, ["def f(", "x"], **kw)
+  files = stored(cache_dir)
+  assert len(files) == 1 and files[0].name.startswith("decode-")
+  engine.release_executables()  # what a new process has
+  with caplog.at_level(logging.INFO, logger="jspec"):
+    again = jspec.generate(target, ["def g(", "y"], **dict(kw, seed=5))
+    second = jspec.generate(target, ["def f(", "x"], **kw)
+  assert "loading the decode program" in caplog.text and "loaded the decode program" in caplog.text
+  assert "compiling" not in caplog.text
+  assert second.token_ids == first.token_ids and again.token_ids != first.token_ids
+  # Another draft length, another batch: other programs, other files.
+  jspec.generate(target, ["def f("], **kw)
+  jspec.generate(target, ["def f(", "x"], **kw, draft_len=2)
+  assert len(stored(cache_dir)) == 3
+
+
+def test_a_damaged_file_is_compiled_again(cache_dir):
+  target = testing.random_model(NO_EOS, seed=0)
+  first = jspec.generate(target, ["abc"], max_new_tokens=8)
+  [file] = stored(cache_dir)
+  file.write_bytes(file.read_bytes()[:100])
+  engine.release_executables()
+  assert executables.load(file) is None
+  assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
+  assert executables.load(file) is not None  # stored again
+
+
+def test_the_key_changes_with_the_source_and_the_static_values(cache_dir, monkeypatch):
+  requests_args = (jax.numpy.zeros((2, 3)),)
+  a = executables.path(str(cache_dir), "decode", requests_args, {"capacity": 64})
+  assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 64}) == a
+  monkeypatch.setattr(executables, "source_digest", lambda: "edited")
+  assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 64}) != a
+  assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 128}) != a
