@@ -26,7 +26,6 @@ from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
 from jspec.tokenizer import IncrementalDecoder
 
-
 # Rounds per segment (one host visit) when streaming: 3% of throughput at batch 1 on the shipped pair
 # (BENCHMARKS.md), and text appears every few tens of milliseconds. A segment also ends when a row
 # finishes, so continuous batching does not wait for it.
