@@ -25,15 +25,27 @@ def _visible(kpos: jax.Array, qpos: jax.Array, window: int) -> jax.Array:
   return (kpos <= qpos) & ((kpos > qpos - window) if window else True)
 
 
+def _per_row(x_BxS: jax.Array, kv_heads: int, group: int, heads_major: bool) -> jax.Array:
+  """A per-query value [B, S, ...] in the cache's row order, for each query head: [X, Q*S, ...]."""
+  batch, seq = x_BxS.shape[:2]
+  x = jnp.broadcast_to(x_BxS[:, None, None], (batch, kv_heads, group, *x_BxS.shape[1:]))
+  x = jnp.swapaxes(x, 0, 1) if heads_major else x
+  return x.reshape(batch * kv_heads, group * seq, *x_BxS.shape[2:])
+
+
 def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, lengths_B: jax.Array,
                      heads_major: bool = False, window: int = 0, softcap: float | None = None,
-                     scale: float | None = None) -> jax.Array:
+                     scale: float | None = None, tree_BxSxS: jax.Array | None = None) -> jax.Array:
   """Causal attention of S new queries over a cache that already holds them.
 
   Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i` (and, with a
-  sliding `window`, `j > lengths[b] + i - window`). The loop runs over the blocks of BLOCK_SIZE slots that
-  some query can see, with an online softmax, so a step costs what the rows hold, not what the cache could
-  hold. `scale` multiplies the logits (default head_dim ** -0.5); `softcap` bounds them as Gemma 2 does.
+  sliding `window`, `j > lengths[b] + i - window`). With a draft tree (`jspec.tree`), the S new entries
+  are its flattened nodes: query i sees the slots before `lengths[b]` and new entry j when
+  `tree_BxSxS[b, i, j]` (j is i or an ancestor), and its position is `lengths[b]` plus its depth.
+
+  The loop runs over the blocks of BLOCK_SIZE slots that some query can see, with an online softmax, so a
+  step costs what the rows hold, not what the cache could hold. `scale` multiplies the logits (default
+  head_dim ** -0.5); `softcap` bounds them as Gemma 2 does.
   """
   batch, seq, heads, head_dim = q_BxSxHxDh.shape
   rows, capacity, _ = k_XxTxDh.shape
@@ -47,9 +59,12 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   q_BxJxQxSxDh = q_BxSxHxDh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
   q_XxQSxDh = (q_BxJxQxSxDh.transpose(*to_rows, 4).reshape(rows, group * seq, head_dim) * scale
                ).astype(k_XxTxDh.dtype)
-  qpos_BxS = lengths_B[:, None] + jnp.arange(seq)[None, :]
-  qpos_XxQS = jnp.broadcast_to(qpos_BxS[:, None, None, :], (batch, kv_heads, group, seq)
-                               ).transpose(*to_rows).reshape(rows, -1)
+  per_row = lambda x_BxS: _per_row(x_BxS, kv_heads, group, heads_major)
+  offset_BxS = jnp.arange(seq)[None, :] if tree_BxSxS is None else jnp.sum(tree_BxSxS, -1) - 1  # depth
+  qpos_XxQS = per_row(lengths_B[:, None] + offset_BxS)
+  if tree_BxSxS is not None:
+    base_X = per_row(lengths_B[:, None])[:, 0]
+    tree_XxQSxS, depth_XxQS = per_row(tree_BxSxS), per_row(offset_BxS)
   end_block = (jnp.max(lengths_B) + seq + block - 1) // block
   first_block = jnp.maximum(jnp.min(lengths_B) + 1 - window, 0) // block if window else 0
 
@@ -59,7 +74,16 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
     v_blk = lax.dynamic_slice_in_dim(v_XxTxDh, i * block, block, axis=1)
     s_XxQSxT = _scores(jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32), softcap)
     kpos_T = i * block + jnp.arange(block)
-    s_XxQSxT = jnp.where(_visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window), s_XxQSxT, MASKED)
+    visible = _visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window)
+    if tree_BxSxS is not None:  # new entries: ancestors only, at their depth's position
+      rel_XxT = kpos_T[None, :] - base_X[:, None]
+      entry_Xx1xT = jnp.clip(rel_XxT, 0, seq - 1)[:, None, :]
+      is_ancestor = jnp.take_along_axis(tree_XxQSxS, jnp.broadcast_to(entry_Xx1xT, (rows, group * seq, block)),
+                                        axis=2)
+      kdepth = jnp.take_along_axis(depth_XxQS, jnp.broadcast_to(entry_Xx1xT[:, 0], (rows, block)), axis=1)
+      in_window = (depth_XxQS[:, :, None] - kdepth[:, None, :] < window) if window else True
+      visible = jnp.where((rel_XxT < 0)[:, None, :], visible, (rel_XxT < seq)[:, None, :] & is_ancestor & in_window)
+    s_XxQSxT = jnp.where(visible, s_XxQSxT, MASKED)
     new_max = jnp.maximum(max_XxQS, s_XxQSxT.max(-1))
     p_XxQSxT = jnp.exp(s_XxQSxT - new_max[..., None])
     rescale = jnp.exp(max_XxQS - new_max)

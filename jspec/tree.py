@@ -1,0 +1,146 @@
+"""Draft token trees: their attention mask and their lossless verification.
+
+A round's tree is flattened in topological order into the chunk the target verifies: chunk index 0 is the
+row's pending token (the last one emitted, whose K/V is not in the cache yet) and index m + 1 is draft
+node m. `parents_BxM[b, m]` is the chunk index of node m's parent (0 for a child of the pending token),
+always smaller than m + 1, so a node's ancestors come before it. Siblings are tried in node order.
+
+Each chunk entry sees the row's cache and its own ancestors (itself included); its position is the row's
+length plus its depth. After verification the accepted path's K/V entries are gathered into the slots
+right after the old length (`compact`), as EAGLE and Medusa do, and the cache rewound past them.
+
+Verification walks down from the pending token. Greedy rows follow the target's argmax. Sampled rows use
+one of two rules, by how the children were chosen:
+- `TOP_K` (chosen deterministically, e.g. the draft's top-k, as EAGLE-2 and SGLang): child x is accepted
+  with probability p(x) / (mass of p not yet rejected); a rejected child's probability is set to 0; if every
+  child is rejected the token is drawn from what is left of p.
+- `SAMPLED` (children drawn independently from q, SpecInfer's multi-draft rule): child x is accepted with
+  probability min(1, p(x) / q(x)); on rejection p becomes norm(max(0, p - q)); if every child is rejected
+  the token is drawn from that residual.
+Either way the emitted tokens follow the target's distribution exactly; the p - q residual is wrong for
+top-k children, so the two must not be mixed up.
+
+Shapes (the package legend, and): M draft nodes, M1 = M + 1 chunk entries, L tree depth (levels).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec import cache as kvcache
+from jspec.cache import KVCache
+from jspec.sampling import argmax
+
+TOP_K, SAMPLED = "top_k", "sampled"
+
+
+def ancestors(parents_BxM: jax.Array, depth: int) -> jax.Array:
+  """[B, M1, M1] bool: entry [b, i, j] when chunk entry j is entry i or one of its ancestors. `depth`
+  (static) bounds the number of levels below the pending token."""
+  batch, nodes = parents_BxM.shape
+  parent_BxM1 = jnp.concatenate([jnp.zeros((batch, 1), parents_BxM.dtype), parents_BxM], axis=1)
+  step_BxM1xM1 = jax.nn.one_hot(parent_BxM1, nodes + 1, dtype=jnp.bool_).at[:, 0, 0].set(False)
+  seen = jnp.broadcast_to(jnp.eye(nodes + 1, dtype=jnp.bool_), (batch, nodes + 1, nodes + 1))
+  hop = seen
+  for _ in range(depth):  # hop = parent relation to the power d; seen = union over d
+    hop = jnp.einsum("bij,bjk->bik", hop.astype(jnp.int32), step_BxM1xM1.astype(jnp.int32)) > 0
+    seen = seen | hop
+  return seen
+
+
+def depths(tree_BxM1xM1: jax.Array) -> jax.Array:
+  """[B, M1] int32: each chunk entry's depth below the pending token (its number of proper ancestors)."""
+  return jnp.sum(tree_BxM1xM1, axis=-1).astype(jnp.int32) - 1
+
+
+def _children(parents_BxM: jax.Array, at_B: jax.Array, rank: int) -> tuple[jax.Array, jax.Array]:
+  """(node index [B], exists [B]) of the rank-th child (in node order) of chunk entry `at` of each row."""
+  is_child_BxM = parents_BxM == at_B[:, None]
+  order_BxM = jnp.cumsum(is_child_BxM, axis=1) - 1
+  pick_BxM = is_child_BxM & (order_BxM == rank)
+  return jnp.argmax(pick_BxM, axis=1).astype(jnp.int32), pick_BxM.any(axis=1)
+
+
+def verify_greedy(tokens_BxM: jax.Array, parents_BxM: jax.Array, logits_BxM1xV: jax.Array,
+                  depth: int, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Follows the target's argmax down each row's tree. Returns `(path_BxL1, n_accepted_B, next_token_B)`:
+  the chunk indices of the pending token and the accepted nodes (entries past n_accepted + 1 repeat the
+  last), how many nodes were accepted, and the token emitted after them. `width` (static) bounds how many
+  children a node has."""
+  best_BxM1 = argmax(logits_BxM1xV)
+  batch = tokens_BxM.shape[0]
+  at_B, walking_B = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.bool_)
+  path = [at_B]
+  for _ in range(depth):
+    want_B = jnp.take_along_axis(best_BxM1, at_B[:, None], axis=1)[:, 0]
+    found_B, next_B = jnp.zeros_like(walking_B), at_B
+    for rank in range(width):
+      node_B, exists_B = _children(parents_BxM, at_B, rank)
+      hit_B = exists_B & ~found_B & (jnp.take_along_axis(tokens_BxM, node_B[:, None], axis=1)[:, 0] == want_B)
+      next_B, found_B = jnp.where(hit_B, node_B + 1, next_B), found_B | hit_B
+    walking_B = walking_B & found_B
+    at_B = jnp.where(walking_B, next_B, at_B)
+    path.append(at_B)
+  path_BxL1 = jnp.stack(path, axis=1)
+  n_accepted = jnp.sum(path_BxL1[:, 1:] != path_BxL1[:, :-1], axis=1).astype(jnp.int32)
+  return path_BxL1, n_accepted, jnp.take_along_axis(best_BxM1, at_B[:, None], axis=1)[:, 0]
+
+
+def verify(keys_B: jax.Array, tokens_BxM: jax.Array, parents_BxM: jax.Array, p_BxM1xV: jax.Array,
+           q_BxM1xV: jax.Array | None, depth: int, width: int,
+           rule: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`verify_greedy` for sampled rows: p (and, for `SAMPLED` children, the q they were drawn from) per
+  chunk entry, after the sampling transform. `q_BxM1xV[b, i]` is the distribution node i's children were
+  drawn from (unused for `TOP_K`)."""
+  if rule not in (TOP_K, SAMPLED):
+    raise ValueError(f"unknown tree rule {rule!r}")
+  batch = tokens_BxM.shape[0]
+  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
+  u_BxLxW = jax.vmap(lambda k: jax.random.uniform(k, (depth, width)))(accept_key)
+  take = lambda x_BxV, t_B: jnp.take_along_axis(x_BxV, t_B[:, None], axis=1)[:, 0]
+  row_of = lambda x_BxM1xV, at_B: jnp.take_along_axis(x_BxM1xV, at_B[:, None, None], axis=1)[:, 0]
+  at_B, walking_B = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.bool_)
+  p_BxV = row_of(p_BxM1xV, at_B)
+  path = [at_B]
+  for level in range(depth):
+    q_BxV = None if rule == TOP_K else row_of(q_BxM1xV, at_B)
+    found_B, next_B = jnp.zeros_like(walking_B), at_B
+    for rank in range(width):
+      node_B, exists_B = _children(parents_BxM, at_B, rank)
+      x_B = take(tokens_BxM, node_B)
+      trying_B = walking_B & exists_B & ~found_B
+      u_B = u_BxLxW[:, level, rank]
+      if rule == TOP_K:  # accept with p(x) / mass left; on rejection p(x) = 0
+        p_x, mass = take(p_BxV, x_B), p_BxV.sum(-1)
+        hit_B = trying_B & (u_B * mass < p_x)
+        rejected = p_BxV.at[jnp.arange(batch), x_B].set(0.0)
+      else:  # accept with min(1, p(x) / q(x)); on rejection p = norm(max(0, p - q))
+        hit_B = trying_B & (u_B * take(q_BxV, x_B) < take(p_BxV, x_B))
+        rejected = jnp.maximum(p_BxV - q_BxV, 0.0)
+        total = rejected.sum(-1, keepdims=True)
+        # A zero residual means p == q, where rejection has probability 0: keep p.
+        rejected = jnp.where(total > 0, rejected / jnp.where(total > 0, total, 1.0), p_BxV)
+      p_BxV = jnp.where((trying_B & ~hit_B)[:, None], rejected, p_BxV)
+      next_B, found_B = jnp.where(hit_B, node_B + 1, next_B), found_B | hit_B
+    walking_B = walking_B & found_B
+    at_B = jnp.where(walking_B, next_B, at_B)
+    p_BxV = jnp.where(found_B[:, None], row_of(p_BxM1xV, at_B), p_BxV)  # a fresh p below an accepted node
+    path.append(at_B)
+  path_BxL1 = jnp.stack(path, axis=1)
+  n_accepted = jnp.sum(path_BxL1[:, 1:] != path_BxL1[:, :-1], axis=1).astype(jnp.int32)
+  p_BxV = p_BxV / p_BxV.sum(-1, keepdims=True)
+  token = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(residual_key, jnp.log(p_BxV)).astype(jnp.int32)
+  return path_BxL1, n_accepted, token
+
+
+def compact(cache: KVCache, base_B: jax.Array, path_BxL1: jax.Array) -> KVCache:
+  """Moves each row's accepted path, written at slots `base + path`, into the contiguous slots
+  `base + 0..L` of every layer: a gather of L1 entries per row, then the cache's in-place row update.
+  Returns the cache with the lengths it had (the caller rewinds it)."""
+  batch = path_BxL1.shape[0]
+  kv_heads = cache.k[0].shape[0] // batch
+  rows_BxJx1 = cache.row(jnp.arange(batch)[:, None], jnp.arange(kv_heads), batch, kv_heads)[:, :, None]
+  slots_Bx1xL1 = (base_B[:, None] + path_BxL1)[:, None, :]
+  at_base = cache.rewind(base_B)
+  move = lambda buf: kvcache.write(at_base, buf, buf[rows_BxJx1, slots_Bx1xL1].transpose(0, 2, 1, 3))
+  return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
