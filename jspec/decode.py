@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import adaptive, model
+from jspec import adaptive, model, tree
 from jspec import cache as kvcache
 from jspec.config import ModelConfig
 from jspec.control import run_if, run_switch
-from jspec.drafters.base import Drafter, DrafterState, Proposal
+from jspec.drafters.base import Drafter, DrafterState, Proposal, TreeProposal
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
 from jspec.settings import AdaptiveConfig, SpecConfig
 from jspec.stats import DecodeStats
@@ -58,7 +58,10 @@ class Decoder:
   @property
   def headroom(self) -> int:
     """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
-    return 0 if self.drafter is None else max(self.spec.draft_len, getattr(self.drafter, "max_lag", 0))
+    if self.drafter is None:
+      return 0
+    written = self.spec.draft_len if self.spec.tree is None else self.spec.tree.nodes
+    return max(written, getattr(self.drafter, "max_lag", 0))
 
 
 @flax.struct.dataclass
@@ -245,6 +248,45 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
   return _observe(decoder, state, hidden, n)
 
 
+def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposal,
+                     keys_Bx2: jax.Array) -> DecodeState:
+  """The target scores the pending token and a draft tree in one forward (each node sees its ancestors),
+  keeps the accepted path and one more token, moves the path's K/V into place, and tells the drafter."""
+  depth, width = decoder.spec.draft_len, decoder.spec.tree.top_k
+  n = state.seq_lens
+  mask_BxM1xM1 = tree.ancestors(proposal.parents_BxM, depth)
+  chunk_BxM1 = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), proposal.tokens_BxM], axis=1)
+  logits_BxM1xV, hidden, target_cache = model.forward(
+      decoder.target_params, chunk_BxM1, n[:, None] - 1 + tree.depths(mask_BxM1xM1), state.target_cache,
+      decoder.target_config, mask_BxM1xM1)
+  q_BxM1xV = None if proposal.logits_BxM1xV is None else probabilities(proposal.logits_BxM1xV, state.sampling)
+  path_BxL1, n_accepted, token = lax.cond(
+      is_greedy(state.sampling),
+      lambda: tree.verify_greedy(proposal.tokens_BxM, proposal.parents_BxM, logits_BxM1xV, depth, width),
+      lambda: tree.verify(keys_Bx2, proposal.tokens_BxM, proposal.parents_BxM,
+                          probabilities(logits_BxM1xV, state.sampling), q_BxM1xV, depth, width, proposal.rule))
+  accepted_BxL = _gather(chunk_BxM1, path_BxL1[:, 1:])
+  candidates_BxL1 = jnp.concatenate([accepted_BxL, token[:, None]], axis=1)
+  candidates_BxL1 = jnp.where(jnp.arange(depth + 1) == n_accepted[:, None], token[:, None], candidates_BxL1)
+  active = ~state.done
+  state, num_new = _commit(state, candidates_BxL1, n_accepted + 1)
+  stats = state.stats.count_forward(active, num_new).count_verify(active, n_accepted, depth)
+  target_cache = tree.compact(target_cache, n - 1, path_BxL1).rewind(state.seq_lens - 1)
+  state = state.replace(target_cache=target_cache, stats=stats)
+  return _observe(decoder, state, jnp.take_along_axis(hidden, path_BxL1[:, :, None], axis=1), n)
+
+
+def _draft_tree_and_verify(decoder: Decoder, state: DecodeState) -> DecodeState:
+  """A tree round: the drafter's tree of depth `spec.draft_len`, then its verification."""
+  state, keys = _split_keys(state, 1)
+  with jax.named_scope("drafter"):
+    drafter_state, proposal = decoder.drafter.propose_tree(
+        decoder.drafter_params, decoder.target_params, state.drafter_state, state.tokens, state.seq_lens,
+        decoder.spec)
+  state = tree_verify_step(decoder, state.replace(drafter_state=drafter_state), proposal, keys[0])
+  return state.replace(stats=state.stats.count_schedule(decoder.spec.draft_len))
+
+
 def _draft_and_verify(decoder: Decoder, draft_len: int, state: DecodeState, keys_K1xBx2: jax.Array) -> DecodeState:
   """A round of `draft_len` proposals; `keys` has spec.draft_len + 1 keys, the last one verify's."""
   with jax.named_scope("drafter"):
@@ -265,6 +307,8 @@ def _draft_and_verify(decoder: Decoder, draft_len: int, state: DecodeState, keys
 def speculative_step(decoder: Decoder, state: DecodeState) -> DecodeState:
   """One speculative round: propose, verify and commit (or, adaptively, a plain step)."""
   spec = decoder.spec
+  if spec.tree is not None:
+    return _draft_tree_and_verify(decoder, state)
   state, keys = _split_keys(state, spec.draft_len + 1)
   if spec.adaptive is None:
     state = _draft_and_verify(decoder, spec.draft_len, state, keys)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jspec import tree
 from jspec.config import num_params
 from jspec.decode import Decoder
 from jspec.drafters import Heads, ModelDrafter, NgramDrafter
@@ -41,6 +42,13 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
   if spec.disable_at_batch_size is not None and batch >= spec.disable_at_batch_size:
     return plain  # vLLM's rule: large batches gain little from speculation
   policy = spec.adaptive
+  if spec.tree is not None:  # trees run at their fixed shape
+    if not hasattr(drafter, "propose_tree"):
+      raise ValueError(f"the {kind} drafter drafts chains only; trees need medusa")
+    policy = None
+    if spec.tree.choices is None:
+      choices = tree.default_choices(spec.draft_len, spec.tree.top_k, spec.tree.nodes)
+      spec = dataclasses.replace(spec, tree=dataclasses.replace(spec.tree, choices=choices, nodes=len(choices)))
   if policy is not None:
     if measured is None or measured.target_params not in (None, num_params(target.config)):
       measured = CostModel.neutral(kind)

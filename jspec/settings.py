@@ -16,6 +16,7 @@ DRAFTERS = ("model", "medusa", "eagle", "ngram")
 # speculation, and past about 8 the draft's later tokens are almost never accepted.
 MAX_DRAFT_LEN = 16
 MAX_NGRAM = 8
+MAX_TREE_NODES = 64  # draft tree nodes a round may verify (one target forward over them all)
 DTYPES = ("float32", "bfloat16")  # what parameters and activations may be computed in
 
 
@@ -115,6 +116,31 @@ class AdaptiveConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TreeConfig:
+  """A draft tree instead of a chain (see `jspec.tree`): its depth is `SpecConfig.draft_len`, each node
+  has up to `top_k` children (the draft's top-k tokens), and `nodes` are verified in one target forward.
+  `choices` fixes the shape as a list of paths of child ranks (Medusa's `tree_choices`: `(0, 1)` is the
+  second-best token below the best one); by default the `nodes` paths likeliest to be accepted are kept.
+  """
+  top_k: int = 4
+  nodes: int = 16
+  choices: tuple[tuple[int, ...], ...] | None = None
+
+  def __post_init__(self):
+    _check(_is_int(self.top_k) and 1 <= self.top_k <= MAX_TREE_NODES,
+           f"tree top_k must be an integer in [1, {MAX_TREE_NODES}], got {self.top_k}")
+    _check(_is_int(self.nodes) and 1 <= self.nodes <= MAX_TREE_NODES,
+           f"tree nodes must be an integer in [1, {MAX_TREE_NODES}], got {self.nodes}")
+    if self.choices is not None:
+      paths = set(self.choices)
+      _check(len(paths) == len(self.choices) == self.nodes, "tree choices must be `nodes` distinct paths")
+      _check(all(len(c) >= 1 and all(_is_int(r) and 0 <= r < self.top_k for r in c) for c in self.choices),
+             f"each tree choice must be a non-empty path of ranks in [0, {self.top_k})")
+      _check(all(len(c) == 1 or c[:-1] in paths for c in self.choices),
+             "every tree choice's parent path must be a choice")
+
+
+@dataclasses.dataclass(frozen=True)
 class SpecConfig:
   """How to speculate. Static: part of the compiled program, so requests that share it share executables.
 
@@ -123,7 +149,8 @@ class SpecConfig:
   which is LOSSY when sampling (greedy output is unchanged). `adaptive` (on by default) chooses K per
   round, up to `draft_len`, or a plain step when acceptance is low; None: every round drafts `draft_len`.
   Batches of `disable_at_batch_size` rows or more decode plainly (vLLM's rule). `trace_rounds` records the
-  first R adaptive decisions in the statistics.
+  first R adaptive decisions in the statistics. `tree` drafts a token tree of depth `draft_len` instead of
+  a chain, at that fixed shape: tree rounds are not adaptive.
   """
   draft_len: int = 4
   drafter: str | None = None
@@ -132,6 +159,7 @@ class SpecConfig:
   adaptive: AdaptiveConfig | None = AdaptiveConfig()
   disable_at_batch_size: int | None = None
   trace_rounds: int = 0
+  tree: TreeConfig | None = None
 
   def __post_init__(self):
     _check(_is_int(self.draft_len) and 1 <= self.draft_len <= MAX_DRAFT_LEN,
@@ -145,3 +173,8 @@ class SpecConfig:
            f"disable_at_batch_size must be an integer >= 1, got {self.disable_at_batch_size}")
     _check(_is_int(self.trace_rounds) and self.trace_rounds >= 0,
            f"trace_rounds must be an integer >= 0, got {self.trace_rounds}")
+    if self.tree is not None:
+      _check(self.tree.choices is None or max(map(len, self.tree.choices)) <= self.draft_len,
+             f"tree choices deeper than draft_len {self.draft_len}")
+      _check(self.drafter in (None, "medusa", "eagle", "model"), f"the {self.drafter} drafter drafts chains only")
+      _check(not self.typical_acceptance, "typical acceptance verifies chains only")

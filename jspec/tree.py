@@ -24,14 +24,52 @@ Shapes (the package legend, and): M draft nodes, M1 = M + 1 chunk entries, L tre
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec import cache as kvcache
 from jspec.cache import KVCache
 from jspec.sampling import argmax
 
 TOP_K, SAMPLED = "top_k", "sampled"
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticShape:
+  """A tree given as paths of child ranks, flattened: node m's parent (chunk index), depth and rank."""
+  parent_M: np.ndarray
+  depth_M: np.ndarray
+  rank_M: np.ndarray
+
+
+def static_shape(choices: tuple[tuple[int, ...], ...]) -> StaticShape:
+  """Flattens paths of ranks (Medusa's `tree_choices`) in topological order: by depth, then path."""
+  ordered = sorted(choices, key=lambda c: (len(c), c))
+  entry = {path: m + 1 for m, path in enumerate(ordered)}
+  return StaticShape(parent_M=np.asarray([entry.get(c[:-1], 0) for c in ordered], np.int32),
+                     depth_M=np.asarray([len(c) for c in ordered], np.int32),
+                     rank_M=np.asarray([c[-1] for c in ordered], np.int32))
+
+
+# The chance that the r-th ranked candidate at a depth is the target's token, assumed when no measured
+# acceptance is at hand: rank 0 half the time, each later rank a third as often as the one before.
+PRIOR_TOP, PRIOR_DECAY = 0.5, 1 / 3
+
+
+def default_choices(depth: int, top_k: int, nodes: int) -> tuple[tuple[int, ...], ...]:
+  """The `nodes` paths (ranks below `top_k`, at most `depth` long) likeliest to be accepted whole under
+  the prior above: a path's score is the product of its ranks' chances. Scores fall along a path, so the
+  kept set holds every kept path's parent."""
+  def paths(prefix, score):
+    yield score, prefix
+    if len(prefix) < depth:
+      for rank in range(top_k):
+        yield from paths(prefix + (rank,), score * PRIOR_TOP * PRIOR_DECAY ** rank)
+  ranked = sorted((-score, len(p), p) for score, p in paths((), 1.0) if p)
+  return tuple(p for _, _, p in ranked[:nodes])
 
 
 def ancestors(parents_BxM: jax.Array, depth: int) -> jax.Array:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jspec import cache as kvcache
-from jspec import decode, drafters, engine, testing
-from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec import decode, drafters, engine, testing, tree
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
 
 CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
@@ -16,6 +16,7 @@ DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 def _decoder_and_requests(batch, kind):
   target = testing.random_model(CONFIG)
   draft = testing.random_model(DRAFT, seed=1)
+  medusa = testing.random_heads(drafters.MedusaDrafter(CONFIG, 3))
   adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral("model")))
   drafter, draft_params, spec = {
       "autoregressive": (None, None, None),
@@ -24,6 +25,9 @@ def _decoder_and_requests(batch, kind):
       # steps with a wider forward: branches that write caches, which XLA:CPU must not copy.
       "model-adaptive": (drafters.ModelDrafter(DRAFT, max_lag=17), draft.params, adaptive_spec),
       "ngram-adaptive": (drafters.NgramDrafter(CONFIG.vocab_size, 3), None, adaptive_spec),
+      # A tree round gathers the accepted path's K/V into place: in place too.
+      "medusa-tree": (medusa.drafter, medusa.params,
+                      SpecConfig(3, tree=TreeConfig(3, 8, tree.default_choices(3, 3, 8)))),
   }[kind]
   decoder = decode.Decoder(target.params, draft_params, target_config=CONFIG, drafter=drafter, spec=spec)
   requests = decode.Requests(np.zeros((batch, 16), np.int32), np.full((batch,), 3, np.int32),
@@ -38,7 +42,7 @@ def _hlo(batch, kind, capacity=512):
 
 @pytest.mark.parametrize("batch,kind", [
     (b, k) for b in (1, 4, kvcache.MAX_UNROLLED_ROWS + 2) for k in ("autoregressive", "model")] + [
-    (4, k) for k in ("model-adaptive", "ngram-adaptive")])
+    (4, k) for k in ("model-adaptive", "ngram-adaptive")] + [(b, "medusa-tree") for b in (1, 4)])
 def test_no_full_cache_copy_in_loop_body(batch, kind):
   capacity = 512
   text = _hlo(batch, kind, capacity)

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jspec
 from jspec import cache as kvcache
-from jspec import model, testing, tree
+from jspec import decode, drafters, model, testing, tree
+from jspec.settings import SpecConfig, TreeConfig
 
 # Chunk entry 0 is the pending token; node m is entry m + 1. Three children of the pending token, two
 # below the first, one below the second, one below entry 4 (depth 3).
@@ -173,3 +175,51 @@ def test_the_p_minus_q_residual_is_wrong_for_top_k_children():
   out, _ = _round_samples(tree.SAMPLED, tree.TOP_K, p, q)
   tv, bound = _tv(out, p)
   assert tv > 3 * bound, (tv, bound)
+
+
+# The whole loop with a tree: Medusa's static tree.
+NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+TREE_SPEC = SpecConfig(drafter="medusa", draft_len=3, tree=TreeConfig(top_k=3, nodes=10))
+
+
+@pytest.fixture(scope="module")
+def medusa_pair():
+  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
+  return target, testing.random_heads(drafters.MedusaDrafter(target.config, 3), scale=2.0)
+
+
+def test_greedy_tree_decoding_is_the_targets_argmax_on_a_ragged_batch(medusa_pair):
+  target, heads = medusa_pair
+  prompts = ["def parse_args(", "x", "import numpy as np\nimport jax\n"]
+  r = jspec.generate(target, prompts, draft=heads, max_new_tokens=24, spec=TREE_SPEC)
+  plain = jspec.generate(target, prompts, max_new_tokens=24)
+  assert r.token_ids == plain.token_ids
+  for prompt, ids in zip(prompts, r.token_ids):
+    testing.assert_target_argmax(target, target.tokenizer.encode(prompt).ids, ids)
+  chain = jspec.generate(target, prompts, draft=heads, max_new_tokens=24,
+                         spec=dataclasses.replace(TREE_SPEC, tree=None, adaptive=None))
+  assert r.stats.mean_accepted_length > chain.stats.mean_accepted_length  # siblings rescue rejections
+
+
+def test_tree_requests_of_a_bucket_do_not_retrace(medusa_pair):
+  target, heads = medusa_pair
+  jspec.generate(target, ["warm up"], draft=heads, max_new_tokens=10, spec=TREE_SPEC)
+  before = dict(decode.trace_counts)
+  for i, temperature in enumerate([0.0, 0.8, 1.2]):
+    r = jspec.generate(target, ["abc" * (i + 1)], draft=heads, max_new_tokens=10, spec=TREE_SPEC,
+                       temperature=temperature, top_k=i * 3, seed=i)
+    assert r.stats.compile_seconds == 0.0
+  assert dict(decode.trace_counts) == before
+
+
+TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=8, eos_id=None)
+
+
+@pytest.mark.parametrize("sp", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8)], ids=["t1", "t07-topk3", "topp08"])
+def test_tree_decoding_keeps_the_exact_two_token_law(sp):
+  target = testing.random_model(TINY_VOCAB, seed=0, scale=1.0)
+  heads = testing.random_heads(drafters.MedusaDrafter(TINY_VOCAB, 2), scale=1.0)
+  spec = SpecConfig(drafter="medusa", draft_len=2, tree=TreeConfig(top_k=3, nodes=6))
+  tv, bound, stats = testing.two_token_tv(target, [1, 5, 2], sp, 3000, draft=heads, spec=spec)
+  assert tv < bound, (tv, bound)
+  assert 0.05 < stats.acceptance_rate < 0.95

@@ -37,6 +37,16 @@ class Proposal:
   has_draft_B: jax.Array  # False: the row has no real proposal (its tokens are placeholders)
 
 
+@flax.struct.dataclass
+class TreeProposal:
+  """A draft tree per row, flattened as `jspec.tree` describes: node m's token, the chunk index of its
+  parent, and (for children drawn from q) the logits q came from at each chunk entry."""
+  tokens_BxM: jax.Array
+  parents_BxM: jax.Array
+  logits_BxM1xV: jax.Array | None
+  rule: str = flax.struct.field(pytree_node=False)  # jspec.tree.TOP_K or SAMPLED
+
+
 class Drafter(Protocol):
   kind: str  # one of `jspec.settings.DRAFTERS`
   config: ModelConfig | None  # the shape its weights and cache follow (Medusa: the target's); None: no weights
@@ -59,7 +69,12 @@ class Drafter(Protocol):
 
   def observe(self, params: Any, target_params: Any, state: DrafterState, tokens_BxT: jax.Array,
               hidden_BxSxD: jax.Array, n_B: jax.Array, new_n_B: jax.Array) -> DrafterState:
-    """After a target forward over S tokens at positions `[n-1, n-1+S)`, with `new_n` tokens now held."""
+    """After a target forward over S tokens at positions `[n-1, n-1+S)`, with `new_n` tokens now held.
+    After a tree round, `hidden` holds the accepted path's features in that order."""
+
+  # Drafters that branch also have
+  #   propose_tree(params, target_params, state, tokens_BxT, seq_lens_B, spec) -> (state, TreeProposal)
+  # with the tree's shape from `spec` (`SpecConfig.tree`, depth `spec.draft_len`).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Medusa heads (Cai et al. 2024): K residual SiLU blocks on the target's last feature, sharing its LM head.
 
 Head k (0-based) maps the feature at position t to a distribution over the token at t + 2 + k: the LM head
-itself already gives t + 1, the token the round starts from. Each head proposes one token (a chain, no
-tree), and q is that head's distribution under the request's sampling transform, so verification stays
-exact. Weights: `w [heads, D, D]`, `b [heads, D]`, zero-initialized so an untrained head repeats the LM head.
+itself already gives t + 1, the token the round starts from. As a chain, each head proposes one token and
+q is that head's distribution under the request's sampling transform, so verification stays exact. As a
+static tree (Medusa's `tree_choices`), the node at path (r_1, ..., r_d) is head d's r_d-th most likely
+token: children chosen deterministically, verified by `jspec.tree`'s top-k rule.
+Weights: `w [heads, D, D]`, `b [heads, D]`, zero-initialized so an untrained head repeats the LM head.
 """
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jspec import losses, model
+from jspec import losses, model, tree
 from jspec.config import ModelConfig
-from jspec.drafters.base import Features, Proposal
+from jspec.drafters.base import Features, Proposal, TreeProposal
 from jspec.sampling import SamplingParams, next_token
 
 
@@ -47,6 +50,16 @@ class MedusaDrafter:
     logits_BxKxV = model.logits_from_hidden(target_params, heads_BxKxD, self.config)
     tokens_BxK = jnp.stack([next_token(keys_KxBx2[i], logits_BxKxV[:, i], sampling) for i in range(num)], 1)
     return state, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(seq_lens_B.shape, bool))
+
+  def propose_tree(self, params, target_params, state: Features, tokens_BxT, seq_lens_B,
+                   spec) -> tuple[Features, TreeProposal]:
+    shape = tree.static_shape(spec.tree.choices)
+    heads_BxLxD = self.head_features(params, state.last(seq_lens_B)[:, None], spec.draft_len)[:, 0]
+    logits_BxLxV = model.logits_from_hidden(target_params, heads_BxLxD, self.config)
+    top_BxLxR = lax.top_k(logits_BxLxV, spec.tree.top_k)[1].astype(jnp.int32)
+    tokens_BxM = top_BxLxR[:, shape.depth_M - 1, shape.rank_M]
+    parents_BxM = jnp.broadcast_to(jnp.asarray(shape.parent_M, jnp.int32), tokens_BxM.shape)
+    return state, TreeProposal(tokens_BxM, parents_BxM, None, tree.TOP_K)
 
   def observe(self, params, target_params, state: Features, tokens_BxT, hidden_BxSxD, n_B, new_n_B) -> Features:
     return state.update(hidden_BxSxD, n_B)
