@@ -35,13 +35,14 @@ def _per_row(x_BxS: jax.Array, kv_heads: int, group: int, heads_major: bool) -> 
 
 def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, lengths_B: jax.Array,
                      heads_major: bool = False, window: int = 0, softcap: float | None = None,
-                     scale: float | None = None, tree_BxSxS: jax.Array | None = None) -> jax.Array:
+                     scale: float | None = None, tree_BxSxA: jax.Array | None = None) -> jax.Array:
   """Causal attention of S new queries over a cache that already holds them.
 
   Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i` (and, with a
   sliding `window`, `j > lengths[b] + i - window`). With a draft tree (`jspec.tree`), the S new entries
-  are its flattened nodes: query i sees the slots before `lengths[b]` and new entry j when
-  `tree_BxSxS[b, i, j]` (j is i or an ancestor), and its position is `lengths[b]` plus its depth.
+  are the last S of A tree entries written from slot `base = lengths[b] + S - A` on: query i sees the
+  slots before `base` and tree entry j when `tree_BxSxA[b, i, j]` (j is i or an ancestor), and its
+  position is `base` plus its depth (its ancestors but itself). Trees must be shallower than the window.
 
   The loop runs over the blocks of BLOCK_SIZE slots that some query can see, with an online softmax, so a
   step costs what the rows hold, not what the cache could hold. `scale` multiplies the logits (default
@@ -60,13 +61,16 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   q_XxQSxDh = (q_BxJxQxSxDh.transpose(*to_rows, 4).reshape(rows, group * seq, head_dim) * scale
                ).astype(k_XxTxDh.dtype)
   per_row = lambda x_BxS: _per_row(x_BxS, kv_heads, group, heads_major)
-  offset_BxS = jnp.arange(seq)[None, :] if tree_BxSxS is None else jnp.sum(tree_BxSxS, -1) - 1  # depth
-  qpos_XxQS = per_row(lengths_B[:, None] + offset_BxS)
-  if tree_BxSxS is not None:
-    base_X = per_row(lengths_B[:, None])[:, 0]
-    tree_XxQSxS, depth_XxQS = per_row(tree_BxSxS), per_row(offset_BxS)
+  if tree_BxSxA is None:
+    qpos_XxQS = per_row(lengths_B[:, None] + jnp.arange(seq)[None, :])
+  else:
+    entries = tree_BxSxA.shape[2]
+    base_B = lengths_B + seq - entries
+    qpos_XxQS = per_row(base_B[:, None] + jnp.sum(tree_BxSxA, -1) - 1)
+    base_X, tree_XxQSxA = per_row(base_B[:, None])[:, 0], per_row(tree_BxSxA)
+  first_query_B = lengths_B if tree_BxSxA is None else base_B
   end_block = (jnp.max(lengths_B) + seq + block - 1) // block
-  first_block = jnp.maximum(jnp.min(lengths_B) + 1 - window, 0) // block if window else 0
+  first_block = jnp.maximum(jnp.min(first_query_B) + 1 - window, 0) // block if window else 0
 
   def attend_block(i, carry):
     max_XxQS, sum_XxQS, acc_XxQSxDh = carry
@@ -75,14 +79,11 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
     s_XxQSxT = _scores(jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32), softcap)
     kpos_T = i * block + jnp.arange(block)
     visible = _visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window)
-    if tree_BxSxS is not None:  # new entries: ancestors only, at their depth's position
+    if tree_BxSxA is not None:  # tree entries: ancestors only
       rel_XxT = kpos_T[None, :] - base_X[:, None]
-      entry_Xx1xT = jnp.clip(rel_XxT, 0, seq - 1)[:, None, :]
-      is_ancestor = jnp.take_along_axis(tree_XxQSxS, jnp.broadcast_to(entry_Xx1xT, (rows, group * seq, block)),
-                                        axis=2)
-      kdepth = jnp.take_along_axis(depth_XxQS, jnp.broadcast_to(entry_Xx1xT[:, 0], (rows, block)), axis=1)
-      in_window = (depth_XxQS[:, :, None] - kdepth[:, None, :] < window) if window else True
-      visible = jnp.where((rel_XxT < 0)[:, None, :], visible, (rel_XxT < seq)[:, None, :] & is_ancestor & in_window)
+      entry_XxQSxT = jnp.broadcast_to(jnp.clip(rel_XxT, 0, entries - 1)[:, None, :], (rows, group * seq, block))
+      is_ancestor = jnp.take_along_axis(tree_XxQSxA, entry_XxQSxT, axis=2)
+      visible = jnp.where((rel_XxT < 0)[:, None, :], visible, (rel_XxT < entries)[:, None, :] & is_ancestor)
     s_XxQSxT = jnp.where(visible, s_XxQSxT, MASKED)
     new_max = jnp.maximum(max_XxQS, s_XxQSxT.max(-1))
     p_XxQSxT = jnp.exp(s_XxQSxT - new_max[..., None])

@@ -60,7 +60,9 @@ class Decoder:
     """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
     if self.drafter is None:
       return 0
-    written = self.spec.draft_len if self.spec.tree is None else self.spec.tree.nodes
+    shape = self.spec.tree
+    # A tree's verify writes its nodes; a growing drafter writes top_k entries per level but the last.
+    written = self.spec.draft_len if shape is None else max(shape.nodes, shape.top_k * (self.spec.draft_len - 1))
     return max(written, getattr(self.drafter, "max_lag", 0))
 
 

@@ -162,21 +162,21 @@ def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, confi
 
 
 def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
-            config: ModelConfig, tree_BxSxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, kvcache.KVCache]:
+            config: ModelConfig, tree_BxSxA: jax.Array | None = None) -> tuple[jax.Array, jax.Array, kvcache.KVCache]:
   """One forward over S new tokens per row, written into the cache at each row's length.
 
   The same code serves prefill (S = padded prompt), one-token decode and verification (S = K+1, or a
-  flattened draft tree with its ancestor mask `tree_BxSxS` and positions length + depth; `jspec.tree`).
+  draft tree's entries with their ancestor mask `tree_BxSxA` and positions base + depth; `jspec.tree`).
   Returns `(logits [B,S,V] fp32, hidden [B,S,D], cache)` with `cache.lengths` advanced by S.
   """
   x_BxSxD, cache = cached_decoder(params, embed(params, tokens_BxS, config), positions_BxS, cache, config,
-                                  tree_BxSxS)
+                                  tree_BxSxA)
   hidden = rms_norm(x_BxSxD, params["final_norm"], config)
   return logits_from_hidden(params, hidden, config), hidden, cache
 
 
 def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
-                   config: ModelConfig, tree_BxSxS: jax.Array | None = None) -> tuple[jax.Array, kvcache.KVCache]:
+                   config: ModelConfig, tree_BxSxA: jax.Array | None = None) -> tuple[jax.Array, kvcache.KVCache]:
   """`decoder` over S new input vectors per row, written into the cache at each row's length."""
   ks, vs = list(cache.k), list(cache.v)
 
@@ -184,7 +184,7 @@ def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array,
     ks[i] = kvcache.write(cache, ks[i], k)
     vs[i] = kvcache.write(cache, vs[i], v)
     return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major,
-                                      tree_BxSxS=tree_BxSxS, **attention_options(config, i))
+                                      tree_BxSxA=tree_BxSxA, **attention_options(config, i))
 
   x_BxSxD = decoder(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len)
   return x_BxSxD, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])

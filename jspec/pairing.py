@@ -43,12 +43,10 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     return plain  # vLLM's rule: large batches gain little from speculation
   policy = spec.adaptive
   if spec.tree is not None:  # trees run at their fixed shape
-    if not hasattr(drafter, "propose_tree"):
-      raise ValueError(f"the {kind} drafter drafts chains only; trees need medusa")
+    spec = _tree_spec(target, kind, drafter, spec)
     policy = None
-    if spec.tree.choices is None:
-      choices = tree.default_choices(spec.draft_len, spec.tree.top_k, spec.tree.nodes)
-      spec = dataclasses.replace(spec, tree=dataclasses.replace(spec.tree, choices=choices, nodes=len(choices)))
+    if kind == "model":  # the draft's cache trails the text by the accepted path after a tree round
+      drafter = dataclasses.replace(drafter, max_lag=max(drafter.max_lag, spec.draft_len))
   if policy is not None:
     if measured is None or measured.target_params not in (None, num_params(target.config)):
       measured = CostModel.neutral(kind)
@@ -57,6 +55,29 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
       drafter = dataclasses.replace(drafter, max_lag=policy.probe_interval + 1)
   spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)
   return Decoder(target.params, params, target_config=target.config, drafter=drafter, spec=spec)
+
+
+def _tree_spec(target: Model, kind: str, drafter, spec: SpecConfig) -> SpecConfig:
+  """`spec` with its tree checked against the drafter and the target, and Medusa's static shape chosen."""
+  if not hasattr(drafter, "propose_tree"):
+    raise ValueError(f"the {kind} drafter drafts chains only; trees need medusa, eagle or model")
+  windows = [w for w in target.config.sliding_windows if w]
+  if windows and min(windows) <= spec.draft_len:
+    raise ValueError(f"a tree of depth {spec.draft_len} needs sliding windows wider than it (the target's "
+                     f"narrowest is {min(windows)})")
+  shape = spec.tree
+  if kind == "medusa":
+    if shape.choices is None:
+      choices = tree.default_choices(spec.draft_len, shape.top_k, shape.nodes)
+      shape = dataclasses.replace(shape, choices=choices, nodes=len(choices))
+  else:
+    made = shape.top_k + (spec.draft_len - 1) * shape.top_k ** 2
+    if shape.nodes > made:
+      raise ValueError(f"a tree of depth {spec.draft_len} and top-k {shape.top_k} makes {made} candidate "
+                       f"nodes, fewer than the {shape.nodes} asked for")
+    if shape.choices is not None:
+      raise ValueError(f"the {kind} drafter grows its tree dynamically; tree choices are for medusa")
+  return dataclasses.replace(spec, tree=shape)
 
 
 def _check_fit(target: Model, draft: Model | Heads, spec: SpecConfig) -> None:

@@ -176,5 +176,5 @@ class SpecConfig:
     if self.tree is not None:
       _check(self.tree.choices is None or max(map(len, self.tree.choices)) <= self.draft_len,
              f"tree choices deeper than draft_len {self.draft_len}")
-      _check(self.drafter in (None, "medusa", "eagle", "model"), f"the {self.drafter} drafter drafts chains only")
+      _check(self.drafter != "ngram", "the ngram drafter drafts chains only")
       _check(not self.typical_acceptance, "typical acceptance verifies chains only")

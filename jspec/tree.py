@@ -25,10 +25,12 @@ Shapes (the package legend, and): M draft nodes, M1 = M + 1 chunk entries, L tre
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jspec import cache as kvcache
 from jspec.cache import KVCache
@@ -182,3 +184,52 @@ def compact(cache: KVCache, base_B: jax.Array, path_BxL1: jax.Array) -> KVCache:
   at_base = cache.rewind(base_B)
   move = lambda buf: kvcache.write(at_base, buf, buf[rows_BxJx1, slots_Bx1xL1].transpose(0, 2, 1, 3))
   return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+
+
+def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: int,
+         nodes: int) -> tuple[Any, jax.Array, jax.Array]:
+  """EAGLE-2's dynamic tree from a drafter's distributions. The root's top-k tokens are the first
+  frontier; each further level expands the frontier (the top-k nodes of the level by cumulative draft
+  log-probability) into top-k children each. Every node made is a candidate; the `nodes` candidates of
+  highest cumulative log-probability are kept (scores fall along a path, and ties go to the shallower, so
+  every kept node's parent is kept) and flattened in topological order.
+
+  `expand(carry, parent_state_BxK, tokens_BxK, tree_BxKxA, level)` feeds a level's frontier to the drafter:
+  the frontier's tokens, what their parents' expansion left (`parent_state`, a pytree of [B, K, ...]
+  leaves), and each frontier entry's ancestors among the A = level * K entries fed this round (itself
+  included). It returns `(carry, logits_BxKxV, state_BxK)`: each frontier node's children's logits and the
+  state its children will get. Returns `(carry, tokens_BxM, parents_BxM)`.
+  """
+  batch = logits_BxV.shape[0]
+  score_BxK, token_BxK = lax.top_k(jax.nn.log_softmax(logits_BxV.astype(jnp.float32)), top_k)
+  scores, tokens, parents = [score_BxK], [token_BxK.astype(jnp.int32)], [jnp.full((batch, top_k), -1, jnp.int32)]
+  frontier_BxK = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (batch, top_k))  # candidate indices
+  frontier_tokens_BxK, frontier_score_BxK = tokens[0], score_BxK
+  seen_BxKxA = jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))
+  for level in range(1, depth):
+    carry, logits_BxKxV, state = expand(carry, parent_state, frontier_tokens_BxK, seen_BxKxA, level)
+    child_score_BxKxK, child_BxKxK = lax.top_k(jax.nn.log_softmax(logits_BxKxV.astype(jnp.float32)), top_k)
+    child_score_BxKK = (frontier_score_BxK[:, :, None] + child_score_BxKxK).reshape(batch, top_k * top_k)
+    offset = sum(s.shape[1] for s in scores)
+    scores.append(child_score_BxKK)
+    tokens.append(child_BxKxK.reshape(batch, -1).astype(jnp.int32))
+    parents.append(jnp.repeat(frontier_BxK, top_k, axis=1))
+    frontier_score_BxK, best_BxK = lax.top_k(child_score_BxKK, top_k)
+    slot_BxK = best_BxK // top_k  # which frontier node each new frontier node hangs from
+    frontier_tokens_BxK = jnp.take_along_axis(tokens[-1], best_BxK, axis=1)
+    frontier_BxK = (offset + best_BxK).astype(jnp.int32)
+    parent_state = jax.tree.map(lambda x: jnp.take_along_axis(
+        x, slot_BxK.reshape(batch, top_k, *([1] * (x.ndim - 2))), axis=1), state)
+    rows = jnp.take_along_axis(seen_BxKxA, slot_BxK[:, :, None], axis=1)
+    seen_BxKxA = jnp.concatenate([rows, jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))],
+                                 axis=2)
+  score_BxP, token_BxP, parent_BxP = (jnp.concatenate(x, axis=1) for x in (scores, tokens, parents))
+  level_P = jnp.concatenate([jnp.full((s.shape[1],), i) for i, s in enumerate(scores)])
+  # The best `nodes` by score, shallower first on ties, then back in candidate (topological) order.
+  order_BxP = jax.vmap(lambda s: jnp.lexsort((level_P, -s)))(score_BxP)
+  kept_BxM = jnp.sort(order_BxP[:, :nodes], axis=1)
+  entry_BxP = jnp.zeros_like(parent_BxP).at[jnp.arange(batch)[:, None], kept_BxM].set(
+      jnp.arange(1, nodes + 1, dtype=jnp.int32))
+  parent_BxM = jnp.take_along_axis(parent_BxP, kept_BxM, axis=1)
+  parent_entry_BxM = jnp.where(parent_BxM < 0, 0, jnp.take_along_axis(entry_BxP, jnp.maximum(parent_BxM, 0), axis=1))
+  return carry, jnp.take_along_axis(token_BxP, kept_BxM, axis=1), parent_entry_BxM

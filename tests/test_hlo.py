@@ -17,6 +17,7 @@ def _decoder_and_requests(batch, kind):
   target = testing.random_model(CONFIG)
   draft = testing.random_model(DRAFT, seed=1)
   medusa = testing.random_heads(drafters.MedusaDrafter(CONFIG, 3))
+  eagle = testing.random_heads(drafters.EagleDrafter.for_target(CONFIG))
   adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral("model")))
   drafter, draft_params, spec = {
       "autoregressive": (None, None, None),
@@ -28,6 +29,9 @@ def _decoder_and_requests(batch, kind):
       # A tree round gathers the accepted path's K/V into place: in place too.
       "medusa-tree": (medusa.drafter, medusa.params,
                       SpecConfig(3, tree=TreeConfig(3, 8, tree.default_choices(3, 3, 8)))),
+      # The draft model grows its tree in its own cache, and catches up on the accepted path after.
+      "model-tree": (drafters.ModelDrafter(DRAFT, max_lag=3), draft.params, SpecConfig(3, tree=TreeConfig(3, 8))),
+      "eagle-tree": (eagle.drafter, eagle.params, SpecConfig(3, tree=TreeConfig(3, 8))),
   }[kind]
   decoder = decode.Decoder(target.params, draft_params, target_config=CONFIG, drafter=drafter, spec=spec)
   requests = decode.Requests(np.zeros((batch, 16), np.int32), np.full((batch,), 3, np.int32),
@@ -42,7 +46,8 @@ def _hlo(batch, kind, capacity=512):
 
 @pytest.mark.parametrize("batch,kind", [
     (b, k) for b in (1, 4, kvcache.MAX_UNROLLED_ROWS + 2) for k in ("autoregressive", "model")] + [
-    (4, k) for k in ("model-adaptive", "ngram-adaptive")] + [(b, "medusa-tree") for b in (1, 4)])
+    (4, k) for k in ("model-adaptive", "ngram-adaptive")] + [(b, "medusa-tree") for b in (1, 4)] + [
+    (4, k) for k in ("model-tree", "eagle-tree")])
 def test_no_full_cache_copy_in_loop_body(batch, kind):
   capacity = 512
   text = _hlo(batch, kind, capacity)

@@ -16,7 +16,7 @@ from jspec.settings import SpecConfig, TreeConfig
 # below the first, one below the second, one below entry 4 (depth 3).
 PARENTS = [0, 0, 0, 1, 1, 2, 4]
 DEPTH, WIDTH = 3, 3
-FEATURES = dataclasses.replace(testing.TINY, sliding_windows=(2, 0), attn_softcap=5.0, qk_norm=True)
+FEATURES = dataclasses.replace(testing.TINY, sliding_windows=(4, 0), attn_softcap=5.0, qk_norm=True)
 
 
 def _paths(parents):
@@ -177,36 +177,54 @@ def test_the_p_minus_q_residual_is_wrong_for_top_k_children():
   assert tv > 3 * bound, (tv, bound)
 
 
-# The whole loop with a tree: Medusa's static tree.
+# The whole loop with a tree: Medusa's static tree, EAGLE-2's and the draft model's dynamic trees.
 NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
-TREE_SPEC = SpecConfig(drafter="medusa", draft_len=3, tree=TreeConfig(top_k=3, nodes=10))
+TREE = TreeConfig(top_k=3, nodes=10)
+
+
+def _draft(kind, target, scale=2.0):
+  if kind == "medusa":
+    return testing.random_heads(drafters.MedusaDrafter(target.config, 3), scale=scale)
+  if kind == "eagle":
+    return testing.random_heads(drafters.EagleDrafter.for_target(target.config), scale=scale)
+  return testing.perturbed(target, 0.5)
 
 
 @pytest.fixture(scope="module")
-def medusa_pair():
-  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
-  return target, testing.random_heads(drafters.MedusaDrafter(target.config, 3), scale=2.0)
+def target():
+  return testing.random_model(NO_EOS, seed=0, scale=2.0)
 
 
-def test_greedy_tree_decoding_is_the_targets_argmax_on_a_ragged_batch(medusa_pair):
-  target, heads = medusa_pair
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "model"])
+def test_greedy_tree_decoding_is_the_targets_argmax_on_a_ragged_batch(target, kind):
+  draft = _draft(kind, target)
   prompts = ["def parse_args(", "x", "import numpy as np\nimport jax\n"]
-  r = jspec.generate(target, prompts, draft=heads, max_new_tokens=24, spec=TREE_SPEC)
+  spec = SpecConfig(draft_len=3, tree=TREE)
+  r = jspec.generate(target, prompts, draft=draft, max_new_tokens=24, spec=spec)
   plain = jspec.generate(target, prompts, max_new_tokens=24)
   assert r.token_ids == plain.token_ids
   for prompt, ids in zip(prompts, r.token_ids):
     testing.assert_target_argmax(target, target.tokenizer.encode(prompt).ids, ids)
-  chain = jspec.generate(target, prompts, draft=heads, max_new_tokens=24,
-                         spec=dataclasses.replace(TREE_SPEC, tree=None, adaptive=None))
-  assert r.stats.mean_accepted_length > chain.stats.mean_accepted_length  # siblings rescue rejections
+  if kind != "eagle":  # random EAGLE weights propose nothing the target takes, tree or not
+    chain = jspec.generate(target, prompts, draft=draft, max_new_tokens=24, spec=SpecConfig(draft_len=3, adaptive=None))
+    assert r.stats.mean_accepted_length > chain.stats.mean_accepted_length  # siblings rescue rejections
 
 
-def test_tree_requests_of_a_bucket_do_not_retrace(medusa_pair):
-  target, heads = medusa_pair
-  jspec.generate(target, ["warm up"], draft=heads, max_new_tokens=10, spec=TREE_SPEC)
+def test_a_copy_of_the_target_drafting_every_candidate_accepts_the_full_depth():
+  """With every candidate node kept, the target's greedy path is in the tree: each round emits depth + 1."""
+  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
+  spec = SpecConfig(draft_len=4, tree=TreeConfig(top_k=3, nodes=3 + 3 * 9))
+  r = jspec.generate(target, ["def parse_args(", "x = 1\n"], draft=target, max_new_tokens=25, spec=spec)
+  assert r.stats.mean_accepted_length == 5.0 and r.stats.acceptance_rate == 1.0
+
+
+def test_tree_requests_of_a_bucket_do_not_retrace(target):
+  draft = _draft("eagle", target)
+  spec = SpecConfig(draft_len=3, tree=TREE)
+  jspec.generate(target, ["warm up"], draft=draft, max_new_tokens=10, spec=spec)
   before = dict(decode.trace_counts)
   for i, temperature in enumerate([0.0, 0.8, 1.2]):
-    r = jspec.generate(target, ["abc" * (i + 1)], draft=heads, max_new_tokens=10, spec=TREE_SPEC,
+    r = jspec.generate(target, ["abc" * (i + 1)], draft=draft, max_new_tokens=10, spec=spec,
                        temperature=temperature, top_k=i * 3, seed=i)
     assert r.stats.compile_seconds == 0.0
   assert dict(decode.trace_counts) == before
@@ -215,11 +233,12 @@ def test_tree_requests_of_a_bucket_do_not_retrace(medusa_pair):
 TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=8, eos_id=None)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "model"])
 @pytest.mark.parametrize("sp", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8)], ids=["t1", "t07-topk3", "topp08"])
-def test_tree_decoding_keeps_the_exact_two_token_law(sp):
+def test_tree_decoding_keeps_the_exact_two_token_law(kind, sp):
   target = testing.random_model(TINY_VOCAB, seed=0, scale=1.0)
-  heads = testing.random_heads(drafters.MedusaDrafter(TINY_VOCAB, 2), scale=1.0)
-  spec = SpecConfig(drafter="medusa", draft_len=2, tree=TreeConfig(top_k=3, nodes=6))
-  tv, bound, stats = testing.two_token_tv(target, [1, 5, 2], sp, 3000, draft=heads, spec=spec)
+  draft = _draft(kind, target, scale=1.0)
+  spec = SpecConfig(draft_len=2, tree=TreeConfig(top_k=3, nodes=6))
+  tv, bound, stats = testing.two_token_tv(target, [1, 5, 2], sp, 3000, draft=draft, spec=spec)
   assert tv < bound, (tv, bound)
   assert 0.05 < stats.acceptance_rate < 0.95

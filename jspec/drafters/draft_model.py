@@ -4,7 +4,8 @@ The draft cache holds `[0, d)` with d = n-1, or d = n-2 after a round that accep
 never fed its own last proposal). Each round's first step feeds the two tokens at `[d, d+2)` and reads the
 logits at slot n-1, which catches up in both cases with one fixed shape. Plain target steps (adaptive
 fallback) run no draft forward at all and leave the draft behind by one more token each; the next round
-then catches up with one wider forward of `max_lag + 1` tokens, so d >= n - 1 - max_lag must hold.
+then catches up with one wider forward of `max_lag + 1` tokens, so d >= n - 1 - max_lag must hold. A tree
+round (`propose_tree`) keeps d = n and so trails by the accepted path, at most the tree's depth.
 
 The draft may pad its vocabulary to another size than the target's (same tokenizer): its logits are cut or
 padded (with -inf) to the target's width, so it never proposes an id past the smaller of the two.
@@ -17,10 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from jspec import cache as kvcache
-from jspec import model
+from jspec import model, tree
 from jspec.config import ModelConfig
 from jspec.control import run_if
-from jspec.drafters.base import Proposal, draft_chain
+from jspec.drafters.base import Proposal, TreeProposal, draft_chain
 from jspec.sampling import SamplingParams
 
 
@@ -49,11 +50,10 @@ class ModelDrafter:
     # Like the target's, the cache holds all but the last prompt token, which the first round feeds.
     return model.prefill(params, self.config, cache, prompts_BxP, prompt_lens_B)[1].rewind(prompt_lens_B - 1)
 
-  def propose(self, params, target_params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
-              seq_lens_B: jax.Array, keys_KxBx2: jax.Array,
-              sampling: SamplingParams) -> tuple[kvcache.KVCache, Proposal]:
-    n = seq_lens_B
-    d = cache.lengths
+  def _catch_up(self, params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
+                n_B: jax.Array) -> tuple[jax.Array, kvcache.KVCache]:
+    """Feeds the tokens the cache lacks; returns the logits at slot n-1 and the cache holding `[0, n)`."""
+    n, d = n_B, cache.lengths
 
     def catch_up(width, cache):
       span = d[:, None] + jnp.arange(width)
@@ -65,18 +65,39 @@ class ModelDrafter:
 
     if self.max_lag <= 1:
       logits_BxV, cache = catch_up(2, cache)
-    else:  # the wide forward only after plain steps
+    else:  # the wide forward only when the cache trails by more than one token
       narrow = jnp.all(n - 1 - d <= 1)
       logits_BxV = jnp.zeros((n.shape[0], self.config.vocab_size), jnp.float32)
       carry = run_if(narrow, lambda c: catch_up(2, c[1]), (logits_BxV, cache))
       logits_BxV, cache = run_if(~narrow, lambda c: catch_up(self.max_lag + 1, c[1]), carry)
-    cache = cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
+    return logits_BxV, cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
+
+  def propose(self, params, target_params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
+              seq_lens_B: jax.Array, keys_KxBx2: jax.Array,
+              sampling: SamplingParams) -> tuple[kvcache.KVCache, Proposal]:
+    logits_BxV, cache = self._catch_up(params, cache, tokens_BxT, seq_lens_B)
 
     def step(cache, token_B):
       _, hidden, cache = model.forward(params, token_B[:, None], cache.lengths[:, None], cache, self.config)
       return cache, self._logits(params, hidden)[:, 0]
 
     return draft_chain(step, cache, logits_BxV, keys_KxBx2, sampling)
+
+  def propose_tree(self, params, target_params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
+                   seq_lens_B: jax.Array, spec) -> tuple[kvcache.KVCache, TreeProposal]:
+    """The dynamic tree (`jspec.tree.grow`) from the draft's own distributions; the cache keeps only the
+    text, so after the round it trails by the accepted tokens, which the next round feeds (`max_lag`)."""
+    n = seq_lens_B
+    logits_BxV, cache = self._catch_up(params, cache, tokens_BxT, n)
+
+    def expand(cache, _, tokens_BxK, tree_BxKxA, level):
+      positions = jnp.broadcast_to((n - 1 + level)[:, None], tokens_BxK.shape)
+      _, hidden, cache = model.forward(params, tokens_BxK, positions, cache, self.config, tree_BxKxA)
+      return cache, self._logits(params, hidden), None
+
+    cache, tokens_BxM, parents_BxM = tree.grow(expand, cache, None, logits_BxV, spec.draft_len,
+                                               spec.tree.top_k, spec.tree.nodes)
+    return cache.rewind(n), TreeProposal(tokens_BxM, parents_BxM, None, tree.TOP_K)
 
   def observe(self, params, target_params, cache: kvcache.KVCache, tokens_BxT, hidden_BxSxD, n_B,
               new_n_B) -> kvcache.KVCache:

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import optax
 
 from jspec import cache as kvcache
-from jspec import losses, model
+from jspec import losses, model, tree
 from jspec.config import ModelConfig
-from jspec.drafters.base import Features, Proposal, draft_chain
+from jspec.drafters.base import Features, Proposal, TreeProposal, draft_chain
 from jspec.sampling import SamplingParams
 
 
@@ -103,6 +103,29 @@ class EagleDrafter:
 
     (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, sampling)
     return EagleState(cache, feats), proposal
+
+  def propose_tree(self, params, target_params, state: EagleState, tokens_BxT, seq_lens_B,
+                   spec) -> tuple[EagleState, TreeProposal]:
+    """EAGLE-2's dynamic tree (`jspec.tree.grow`): each level feeds the frontier's (parent feature, token)
+    pairs at once, each entry seeing the cache and its ancestors; the next round recomputes from real
+    features, so nothing fed here needs to be kept."""
+    n = seq_lens_B
+    feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxT, n)
+    logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None], self.config)[:, 0]
+
+    def expand(cache, feature_BxKxD, tokens_BxK, tree_BxKxA, level):
+      positions = jnp.broadcast_to((n - 2 + level)[:, None], tokens_BxK.shape)
+      x = self._inputs(params, target_params, feature_BxKxD, tokens_BxK)
+      x, cache = model.cached_decoder(params, x, positions, cache, self.config, tree_BxKxA)
+      feature = self._features(params, x)
+      return cache, model.logits_from_hidden(target_params, feature, self.config), feature
+
+    top_k = spec.tree.top_k
+    parent_feature = jnp.broadcast_to(feature_BxD[:, None], (n.shape[0], top_k, feature_BxD.shape[-1]))
+    cache, tokens_BxM, parents_BxM = tree.grow(expand, cache, parent_feature, logits_BxV, spec.draft_len, top_k,
+                                               spec.tree.nodes)
+    proposal = TreeProposal(tokens_BxM, parents_BxM, None, tree.TOP_K)
+    return EagleState(cache.rewind(jnp.maximum(n - 1, 0)), state.features), proposal
 
   def observe(self, params, target_params, state: EagleState, tokens_BxT, hidden_BxSxD, n_B,
               new_n_B) -> EagleState:
