@@ -16,6 +16,8 @@ adds one (K1 = K + 1, S1 = S + 1).
   C  target features a head drafter keeps (K + 1)
   W  rounds in the adaptive acceptance window
   R  adaptive rounds recorded in a trace
+  M  draft tree nodes (a tree verify feeds M1 = M + 1: the pending token and the nodes; see jspec.tree)
+  L  tree depth (a path holds L1 = L + 1 entries)   A  tree entries fed so far in a round
 """
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ _EXPORTS = {
     "load": "jspec.loading", "save": "jspec.checkpoint",
     "Model": "jspec.model", "Heads": "jspec.drafters", "ModelConfig": "jspec.config",
     "SamplingConfig": "jspec.settings", "SpecConfig": "jspec.settings", "AdaptiveConfig": "jspec.settings",
-    "CostModel": "jspec.settings", "Stats": "jspec.stats", "make_mesh": "jspec.sharding",
+    "CostModel": "jspec.settings", "TreeConfig": "jspec.settings", "Stats": "jspec.stats",
+    "make_mesh": "jspec.sharding",
 }
 __all__ = ["AdaptiveConfig", "CostModel", "Delta", "Heads", "Model", "ModelConfig", "RequestStats", "Result",
-           "SamplingConfig", "SpecConfig", "Stats", "Stream", "generate", "load", "make_mesh", "save", "stream"]
+           "SamplingConfig", "SpecConfig", "Stats", "Stream", "TreeConfig", "generate", "load", "make_mesh", "save",
+           "stream"]
 
 if TYPE_CHECKING:
   from jspec.api import Result, generate, stream
@@ -44,7 +48,7 @@ if TYPE_CHECKING:
   from jspec.loading import load
   from jspec.model import Model
   from jspec.scheduler import Delta, Stream
-  from jspec.settings import AdaptiveConfig, CostModel, SamplingConfig, SpecConfig
+  from jspec.settings import AdaptiveConfig, CostModel, SamplingConfig, SpecConfig, TreeConfig
   from jspec.sharding import make_mesh
   from jspec.stats import RequestStats, Stats
 

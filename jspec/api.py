@@ -127,11 +127,9 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   token_ids = [tokens[b, len(p):seq_lens[b]].tolist() for b, p in enumerate(prompt_ids)]
   texts = [detokenize(target.tokenizer, ids) for ids in token_ids]
   spec = decoder.spec if decoder.drafter is not None else None
-  return Result(texts=texts, token_ids=token_ids, stats=Stats.from_device(
-      stats, wall, compile_seconds, drafter=spec and spec.drafter, lossy=bool(spec and spec.typical_acceptance),
-      adaptive=bool(spec and spec.adaptive)),
-      request_stats=[RequestStats.of_row(stats.row_rounds_B, stats.row_drafted_B, stats.row_accepted_B, b, len(ids))
-                     for b, ids in enumerate(token_ids)])
+  return Result(texts=texts, token_ids=token_ids, stats=Stats.from_device(stats, wall, compile_seconds, spec),
+                request_stats=[RequestStats.of_row(stats.row_rounds_B, stats.row_drafted_B, stats.row_accepted_B, b,
+                                                   len(ids)) for b, ids in enumerate(token_ids)])
 
 
 def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft: Model | Heads | None = None,

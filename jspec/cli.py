@@ -17,12 +17,22 @@ import time
 
 import jspec
 from jspec import outputs, shipped
-from jspec.settings import DRAFTERS, DTYPES, MAX_DRAFT_LEN, MAX_NGRAM, AdaptiveConfig, SamplingConfig, SpecConfig
+from jspec.settings import (
+  DRAFTERS,
+  DTYPES,
+  MAX_DRAFT_LEN,
+  MAX_NGRAM,
+  AdaptiveConfig,
+  SamplingConfig,
+  SpecConfig,
+  TreeConfig,
+)
 
 EXAMPLES = """examples:
   python -m jspec.generate --prompt "def parse_args("
   python -m jspec.generate --prompt "def f(" --prompt "class A:" --max-new-tokens 96 --baseline --json
   python -m jspec.generate --drafter eagle --no-adaptive --temperature 0.7 --top-p 0.95 --prompt "import os"
+  python -m jspec.generate --drafter eagle --tree --draft-len 5 --tree-top-k 4 --tree-nodes 24 --prompt "def f("
   python -m jspec.generate --target HF_DIR --draft HF_DRAFT_DIR --prompt "Hello"
   python -m jspec.generate --prompt-file prompts.txt --batch-size 8 --output out.jsonl
   python -m jspec.generate --mesh data=2,model=4 --prompt-file prompts.jsonl --json
@@ -42,7 +52,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
-  spec, adaptive, sampling = SpecConfig(), AdaptiveConfig(), SamplingConfig()
+  spec, adaptive, sampling, tree = SpecConfig(), AdaptiveConfig(), SamplingConfig(), TreeConfig()
   p = argparse.ArgumentParser(prog="python -m jspec.generate", formatter_class=_Formatter, epilog=EXAMPLES,
                               description="Speculative decoding: a draft proposes, the target verifies, "
                                           "and the output is exactly the target's.")
@@ -122,6 +132,18 @@ def parser() -> argparse.ArgumentParser:
                  help="o: a speculative round's time beyond its forwards, in target steps (default: measured, "
                       "else 0)")
 
+  g = p.add_argument_group("draft trees")
+  g.add_argument("--tree", action=argparse.BooleanOptionalAction, default=False,
+                 help="draft a token tree of depth --draft-len instead of a chain, all verified in one target "
+                      "forward, so a rejected token's sibling can still be accepted (medusa: a static tree; eagle "
+                      "and model: EAGLE-2's dynamic tree); rounds keep that shape (no adaptive K)")
+  g.add_argument("--tree-top-k", type=int, default=tree.top_k, metavar="K",
+                 help="children per expanded node: the draft's top-K tokens")
+  g.add_argument("--tree-nodes", type=int, default=tree.nodes, metavar="N", help="nodes verified per round")
+  g.add_argument("--tree-choices", metavar="JSON",
+                 help="medusa: the static tree as a JSON list of paths of ranks, as Medusa's tree_choices "
+                      "(default: the --tree-nodes paths likeliest to be accepted)")
+
   g = p.add_argument_group("compilation")
   g.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR",
                  help="keep compiled programs here, so later runs load them instead of compiling "
@@ -166,9 +188,20 @@ def speculation(args: argparse.Namespace) -> SpecConfig:
     adaptive = AdaptiveConfig(cost_ratio=args.cost_ratio, verify_cost=args.verify_cost,
                               round_overhead=args.round_overhead, fallback_threshold=args.fallback_threshold,
                               probe_interval=args.probe_interval)
+  tree = None
+  if args.tree:
+    choices = None
+    if args.tree_choices is not None:
+      try:
+        choices = tuple(tuple(path) for path in json.loads(args.tree_choices))
+      except (ValueError, TypeError):
+        raise ValueError("--tree-choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]") from None
+    tree = TreeConfig(top_k=args.tree_top_k, nodes=len(choices) if choices else args.tree_nodes, choices=choices)
+  elif args.tree_choices is not None:
+    raise ValueError("--tree-choices needs --tree")
   return SpecConfig(draft_len=args.draft_len, drafter=args.drafter, max_ngram=args.max_ngram,
                     typical_acceptance=args.typical_acceptance, adaptive=adaptive,
-                    disable_at_batch_size=args.disable_at_batch_size)
+                    disable_at_batch_size=args.disable_at_batch_size, tree=tree)
 
 
 def default_compile_cache() -> str:

@@ -126,6 +126,4 @@ class Stream:
         break
     wall = time.perf_counter() - begin - self.compile_seconds
     spec = decoder.spec if decoder.drafter is not None else None
-    self.stats = Stats.from_device(jax.device_get(state.stats), wall, self.compile_seconds,
-                                   drafter=spec and spec.drafter, lossy=bool(spec and spec.typical_acceptance),
-                                   adaptive=bool(spec and spec.adaptive))
+    self.stats = Stats.from_device(jax.device_get(state.stats), wall, self.compile_seconds, spec)

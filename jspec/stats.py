@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import adaptive
+from jspec.settings import SpecConfig
 
 
 @flax.struct.dataclass
@@ -100,6 +101,7 @@ class Stats:
   acceptance_ewma: float | None
   acceptance_window: float | None
   adaptive: bool
+  tree: dict[str, int] | None  # the draft tree's depth, top_k and nodes; None: chains
   draft_len_counts: dict[int, int]  # batched rounds per scheduled K; 0: an adaptive plain step
   fallback_rounds: int
   probe_rounds: int
@@ -109,10 +111,13 @@ class Stats:
   compile_seconds: float
 
   @classmethod
-  def from_device(cls, stats: DecodeStats, wall_seconds: float, compile_seconds: float, drafter: str | None,
-                  lossy: bool = False, adaptive: bool = False) -> Stats:
+  def from_device(cls, stats: DecodeStats, wall_seconds: float, compile_seconds: float,
+                  spec: SpecConfig | None) -> Stats:
+    """`spec`: the decoder's speculation settings (None: plain decoding)."""
     s = jax.tree.map(np.asarray, stats)
-    speculative = drafter is not None
+    drafter, speculative = spec and spec.drafter, spec is not None
+    lossy = bool(spec and spec.typical_acceptance)
+    tree = spec and spec.tree and {"depth": spec.draft_len, "top_k": spec.tree.top_k, "nodes": spec.tree.nodes}
     drafted, rounds, emitted = int(s.drafted), int(s.rounds), int(s.emitted)
     return cls(
         drafter=drafter,
@@ -126,7 +131,7 @@ class Stats:
         per_position_acceptance=[float(a) / rounds for a in s.accepted_at_K] if speculative and rounds else [],
         acceptance_ewma=_mean_finite(s.acceptance.ewma_rate) if speculative else None,
         acceptance_window=_mean_finite(s.acceptance.window_rate) if speculative else None,
-        adaptive=adaptive,
+        adaptive=bool(spec and spec.adaptive), tree=tree or None,
         draft_len_counts={k: int(c) for k, c in enumerate(s.draft_len_counts_K1) if c} if speculative else {},
         fallback_rounds=int(s.fallback_rounds), probe_rounds=int(s.probe_rounds),
         trace=[dict(zip(("draft_len", "accepted", "acceptance_window", "acceptance_ewma"),

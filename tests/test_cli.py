@@ -86,6 +86,14 @@ BAD = [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--output", "{root}/other.jsonl"], "prompt 0 is not the same prompt in this run's prompts"),
     (["--output", "{root}/garbage.jsonl"], "garbage.jsonl:1: not an output line of jspec"),
+    (["--tree", "--tree-top-k", "0"], "tree top_k must be an integer in [1, 64]"),
+    (["--tree", "--tree-nodes", "65"], "tree nodes must be an integer in [1, 64]"),
+    (["--tree", "--tree-nodes", "40", "--draft-len", "2", "--tree-top-k", "3"],
+     "makes 12 candidate nodes, fewer than the 40 asked for"),
+    (["--tree", "--tree-choices", "[[0], [0, 1"], "--tree-choices must be a JSON list"),
+    (["--tree", "--tree-choices", "[[0], [1, 0]]"], "every tree choice's parent path must be a choice"),
+    (["--tree-choices", "[[0]]"], "--tree-choices needs --tree"),
+    (["--tree", "--tree-choices", "[[0]]"], "the model drafter grows its tree dynamically"),
 ]
 
 
@@ -148,6 +156,12 @@ def test_cli_runs_every_drafter_kind(ckpts, capsys):
     assert out["stats"]["drafter"] == kind and len(out["outputs"][0]["token_ids"]) == 6
   assert cli.main(base + ["--drafter", "eagle"]) == 2
   assert "needs --draft DIR for a target other than the shipped one" in capsys.readouterr().err
+  for extra in (["--draft", str(ckpts / "medusa"), "--tree-choices", "[[0], [1], [0, 0]]"],
+                ["--draft", str(ckpts / "draft"), "--tree-nodes", "5"]):
+    assert cli.main(base + extra + ["--tree", "--draft-len", "2", "--tree-top-k", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["outputs"][0]["token_ids"]) == 6 and out["stats"]["adaptive"] is False
+    assert out["stats"]["tree"] == {"depth": 2, "top_k": 2, "nodes": 3 if "--tree-choices" in extra else 5}
 
 
 def test_cli_dtype(ckpts, capsys):

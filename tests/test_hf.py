@@ -22,7 +22,10 @@ import jax  # noqa: E402
 import jspec  # noqa: E402
 from jspec import convert, hf, model, pairing, testing  # noqa: E402
 from jspec.checkpoint import save  # noqa: E402
+from jspec.settings import SpecConfig  # noqa: E402
 from jspec.tokenizer import byte_tokenizer, encode  # noqa: E402
+
+FIXED = SpecConfig(draft_len=3, adaptive=None)  # every round drafts 3: the tests exercise verification
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 COMMON = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -109,7 +112,7 @@ def test_family_matches_transformers(tmp_path, family):
 
   plain = jspec.generate(ours, [PROMPT], max_new_tokens=NEW).token_ids[0]
   spec = jspec.generate(ours, [PROMPT], draft=jspec.load(truncated(m, tmp_path)), max_new_tokens=NEW,
-                        draft_len=3)
+                        spec=FIXED)
   assert spec.token_ids[0] == plain
   assert spec.stats.accepted_tokens > 0  # whole rounds are accepted, windows included
   if family == "llama-dynamic":
@@ -182,7 +185,7 @@ def test_every_eos_id_stops_a_row(tmp_path):
     assert out == free[:first + 1]
     hf_eos = [t for t in ours.config.stop_ids if t < 264]
     assert out == hf_greedy(m, PROMPT, NEW, eos_token_id=hf_eos)  # transformers stops at the same token
-    spec = jspec.generate(ours, [PROMPT], draft=testing.perturbed(ours, 0.3), max_new_tokens=NEW, draft_len=3)
+    spec = jspec.generate(ours, [PROMPT], draft=testing.perturbed(ours, 0.3), max_new_tokens=NEW, spec=FIXED)
     assert spec.token_ids[0] == out
 
 
@@ -227,9 +230,10 @@ def test_a_draft_with_a_padded_vocabulary(tmp_path):
   for rows in (257, 300):  # fewer and more rows than the target's 264; the tokenizer has 257 tokens
     _, draft_path = make_hf(tmp_path, "qwen2", seed=rows, num_hidden_layers=1, vocab_size=rows)
     draft = jspec.load(draft_path)
-    assert jspec.generate(target, [PROMPT], draft=draft, max_new_tokens=NEW, draft_len=3).token_ids == plain
+    assert jspec.generate(target, [PROMPT], draft=draft, max_new_tokens=NEW, spec=FIXED).token_ids == plain
+    assert jspec.generate(target, [PROMPT], draft=draft, max_new_tokens=NEW).token_ids == plain  # adaptive
     if rows > 264:
-      sampled = jspec.generate(target, [PROMPT] * 8, draft=draft, max_new_tokens=NEW, draft_len=3, temperature=1)
+      sampled = jspec.generate(target, [PROMPT] * 8, draft=draft, max_new_tokens=NEW, spec=FIXED, temperature=1)
       assert all(max(ids) < 264 for ids in sampled.token_ids)
     # Proposals are over the target's vocabulary and never past the smaller one.
     decoder = pairing.make_decoder(target, draft, None, 1)
@@ -303,7 +307,7 @@ def test_to_hf_export_loads_in_transformers_and_assisted_generation_matches(tmp_
   with torch.no_grad():
     assisted = exported["target"].generate(torch.tensor([prompt]), assistant_model=exported["draft"], do_sample=False,
                                      max_new_tokens=24)[0, len(prompt):].tolist()
-  ours = jspec.generate(target, [prompt], draft=draft, max_new_tokens=24, draft_len=3).token_ids[0]
+  ours = jspec.generate(target, [prompt], draft=draft, max_new_tokens=24, spec=FIXED).token_ids[0]
   assert ours == assisted == hf_greedy(exported["target"], prompt, len(assisted), min_new_tokens=len(assisted))
   gemma = testing.random_model(dataclasses.replace(testing.TINY, norm_plus_one=True))
   with pytest.raises(ValueError, match="Llama directory, which has no"):

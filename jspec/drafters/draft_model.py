@@ -67,7 +67,7 @@ class ModelDrafter:
       logits_BxV, cache = catch_up(2, cache)
     else:  # the wide forward only when the cache trails by more than one token
       narrow = jnp.all(n - 1 - d <= 1)
-      logits_BxV = jnp.zeros((n.shape[0], self.config.vocab_size), jnp.float32)
+      logits_BxV = jnp.zeros((n.shape[0], self.vocab_size or self.config.vocab_size), jnp.float32)
       carry = run_if(narrow, lambda c: catch_up(2, c[1]), (logits_BxV, cache))
       logits_BxV, cache = run_if(~narrow, lambda c: catch_up(self.max_lag + 1, c[1]), carry)
     return logits_BxV, cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
