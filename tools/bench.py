@@ -39,7 +39,7 @@ from jspec import adaptive, checkpoint, data, decode, engine, model, pairing, sh
 from jspec import cache as kvcache  # noqa: E402
 from jspec.config import ModelConfig, num_params  # noqa: E402
 from jspec.drafters import Proposal  # noqa: E402
-from jspec.settings import AdaptiveConfig, CostModel, SpecConfig  # noqa: E402
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig  # noqa: E402
 
 # ~31M parameters: a target large enough that a step is dominated by reading its weights.
 MID = ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, mlp_dim=1536,
@@ -430,13 +430,13 @@ class Progress:
 
 
 def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, k: int, max_new: int,
-         repeats: int) -> dict:
+         repeats: int, tree: TreeConfig | None = None) -> dict:
   """One sweep cell: AR and speculative decoding of each batch of prompts, interleaved; medians summed.
 
   Every row decodes `max_new` tokens (EOS ignored, as vLLM's benchmarks do), so both sides do the same work
   even when sampling, and row r of the cell samples with seed r: one unlucky draw (an early EOS) can neither
   end a request nor repeat across every prompt."""
-  spec_kw = dict(draft=draft, spec=SpecConfig(drafter=kind, adaptive=None), draft_len=k)
+  spec_kw = dict(draft=draft, spec=SpecConfig(drafter=kind, adaptive=None, tree=tree), draft_len=k)
   kw = dict(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
   first_kw = dict(max_new_tokens=1)  # a request of one token: prefill, one target step, the host's work
   walls, last, compile_s = {"ar": 0.0, "spec": 0.0, "first": 0.0}, {}, 0.0
@@ -636,6 +636,33 @@ def suite_batching(kind: str, max_new: int, repeats: int, count: int, slots: int
   return out
 
 
+def suite_tree(kinds: list[str], chain_lens: list[int], batches: list[int], max_new: int, repeats: int,
+               prompts_per_set: int, depth: int = 4,
+               shapes: tuple[tuple[int, int], ...] = ((2, 8), (4, 16), (4, 32))) -> dict:
+  """Draft trees of depth `depth` against chains of `chain_lens` tokens, per drafter, greedy, held-out code:
+  each cell against AR in the same process (see `cell`); and the verify cost curve (a target forward of N
+  tokens over one of 1, batch 1, 200 tokens in the cache)."""
+  target = jspec.load(shipped.TARGET)
+  prompts = heldout_prompts(prompts_per_set)
+  out = {"depth": depth, "max_new_tokens": max_new, "prompts": len(prompts), "verify_cost": {}, "cells": []}
+  for n in (2, 4, 8, 16, 24, 32, 48, 64):
+    out["verify_cost"][n] = verify_ratio(target, 1, n - 1, repeats)
+    print(json.dumps({"verify_n": n, "over_one": out["verify_cost"][n]}), file=sys.stderr)
+  for kind in kinds:
+    draft = shipped_pair(kind)[1]
+    for batch in batches:
+      groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+      configs = [(k, None) for k in chain_lens] + [(depth, TreeConfig(top_k=t, nodes=n)) for t, n in shapes]
+      for k, tree in configs:
+        row = cell(target, draft, kind, groups, 0.0, k, max_new, repeats, tree)
+        row.update(drafter=kind, batch=batch, draft_len=k, tree=tree and {"top_k": tree.top_k, "nodes": tree.nodes})
+        out["cells"].append(row)
+        print(json.dumps({key: row[key] for key in ("drafter", "batch", "draft_len", "tree", "tau", "speedup",
+                                                    "decode_speedup", "round_cost_in_ar_steps")}), file=sys.stderr)
+      engine.release_executables()
+  return out
+
+
 PROMPT_SETS = {"code": heldout_prompts, "edit": edit_prompts, "prose": prose_prompts}
 
 
@@ -646,7 +673,7 @@ def floats(text: str) -> list[float]:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill", "cost", "stream",
-                                     "batching"],
+                                     "batching", "tree"],
                   default="sweep")
   ap.add_argument("--write", action="store_true", help="--suite cost: store the cost models in the checkpoints")
   ap.add_argument("--quick", action="store_true", help="a smoke run of the sweep on tiny random models (CI)")
@@ -686,6 +713,9 @@ def main() -> int:
     result = suite_adaptive(*shipped_pair(kind), kind, args.max_new_tokens, args.repeats, args.prompts)
   elif args.suite == "stream":
     result = suite_stream(args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
+  elif args.suite == "tree":
+    result = suite_tree(args.drafters.split(","), ints(args.draft_lens), ints(args.batches), args.max_new_tokens,
+                        args.repeats, args.prompts)
   elif args.suite == "batching":
     result = suite_batching(args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   else:
