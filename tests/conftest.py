@@ -5,13 +5,18 @@ import tempfile
 
 # Tests run on the CPU in fp32; keep XLA from grabbing every core's threads twice over.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The CLI keeps compiled programs in a persistent cache; tests keep theirs out of the user's.
-os.environ["JSPEC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jspec-test-xla-")
-atexit.register(shutil.rmtree, os.environ["JSPEC_COMPILE_CACHE"], ignore_errors=True)
+# Compiled programs are kept in one cache for the whole run, out of the user's: the many tests that decode
+# with the same tiny shapes load a program another test (or test worker) compiled. The process that makes
+# the directory removes it; test workers and subprocesses inherit it.
+if "JSPEC_COMPILE_CACHE" not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ:
+  os.environ["JSPEC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jspec-test-xla-")
+  atexit.register(shutil.rmtree, os.environ["JSPEC_COMPILE_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 
 from jspec import engine  # noqa: E402
+
+engine.use_compile_cache(os.environ["JSPEC_COMPILE_CACHE"])
 
 
 @pytest.fixture(autouse=True, scope="module")

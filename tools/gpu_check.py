@@ -54,7 +54,8 @@ def lossless(smoke: bool) -> dict:
   draft = testing.perturbed(target, 0.5)
   prompts = [[1, 2, 3], [7] * 9, list(range(40, 60))]
   plain = jspec.generate(target, prompts, max_new_tokens=32)
-  spec = jspec.generate(target, prompts, draft=draft, max_new_tokens=32, draft_len=4)
+  fixed = SpecConfig(draft_len=4, adaptive=None)  # every round verifies: what the checks are about
+  spec = jspec.generate(target, prompts, draft=draft, max_new_tokens=32, spec=fixed)
   argmax_ok = True
   for p, ids in zip(prompts, spec.token_ids):
     try:
@@ -65,7 +66,8 @@ def lossless(smoke: bool) -> dict:
   small_target = testing.random_model(small, seed=0, scale=1.0)
   draws = 300 if smoke else 4000
   tv, bound, stats = testing.two_token_tv(small_target, [1, 5, 2], (1.0, 0, 1.0), draws,
-                                          draft=testing.perturbed(small_target, 1.0, seed=4), draft_len=3)
+                                          draft=testing.perturbed(small_target, 1.0, seed=4),
+                                          spec=dataclasses.replace(fixed, draft_len=3))
   # The cached forward, fed in chunks of 3 over a ragged batch, against the full forward.
   params = model.init_params(SMOKE_TARGET, jax.random.PRNGKey(0))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, SMOKE_TARGET.vocab_size)
