@@ -19,6 +19,15 @@ from jspec import engine  # noqa: E402
 engine.use_compile_cache(os.environ["JSPEC_COMPILE_CACHE"])
 
 
+# The slowest files (subprocesses on simulated meshes, the GPU check) start first, so that with several
+# test workers none of them is left running alone at the end.
+SLOW_FIRST = ("test_sharding.py", "test_gpu_check.py")
+
+
+def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: item.path.name not in SLOW_FIRST)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables():
   """Drops compiled programs after each test module. Every XLA:CPU executable keeps its own memory

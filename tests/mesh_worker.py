@@ -33,15 +33,16 @@ DRAFT = dataclasses.replace(CONFIG, n_layers=1, mlp_dim=64)
 target = testing.random_model(CONFIG, seed=0, scale=2.0)
 draft = testing.random_model(DRAFT, seed=1, scale=2.0)
 prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 6, [100, 200, 30, 40, 50], [7], [3, 3], [250, 1], [60, 61, 62]]
+FIXED = SpecConfig(3, adaptive=None)  # every round verifies on the mesh
 
 
 def runs(mesh):
   kw = dict(max_new_tokens=12, mesh=mesh)
   return {"ar": jspec.generate(target, prompts, **kw).token_ids,
-          "spec": jspec.generate(target, prompts, draft=draft, draft_len=3, **kw).token_ids,
-          "spec_replicated_draft": jspec.generate(target, prompts, draft=draft, draft_len=3, shard_draft=False,
+          "spec": jspec.generate(target, prompts, draft=draft, spec=FIXED, **kw).token_ids,
+          "spec_replicated_draft": jspec.generate(target, prompts, draft=draft, spec=FIXED, shard_draft=False,
                                                   **kw).token_ids,
-          "sampled": jspec.generate(target, prompts, draft=draft, draft_len=3, temperature=1.0, seed=3,
+          "sampled": jspec.generate(target, prompts, draft=draft, spec=FIXED, temperature=1.0, seed=3,
                                     **kw).token_ids}
 
 
@@ -69,7 +70,7 @@ def hf_directory_on(mesh) -> dict:
   want = jax.tree.leaves(sharding.param_specs(loaded.params, CONFIG, mesh),
                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   return {"placed_by_the_rules": all(a.sharding.spec == sp for a, sp in zip(jax.tree.leaves(loaded.params), want)),
-          "spec": jspec.generate(loaded, prompts, draft=draft, draft_len=3, max_new_tokens=12, mesh=mesh).token_ids}
+          "spec": jspec.generate(loaded, prompts, draft=draft, spec=FIXED, max_new_tokens=12, mesh=mesh).token_ids}
 
 
 out = {"single": runs(None), "meshes": {}}
