@@ -43,8 +43,8 @@ def _tree_forward(config, prompts, nodes, seed=0, heads_major=False):
   return m, chunk, logits, cache
 
 
-@pytest.mark.parametrize("config", [testing.TINY, FEATURES], ids=["tiny", "window-softcap-qknorm"])
-@pytest.mark.parametrize("heads_major", [False, True])
+@pytest.mark.parametrize("config,heads_major", [(testing.TINY, False), (FEATURES, True)],
+                         ids=["tiny", "window-softcap-qknorm-heads-major"])
 def test_each_node_sees_exactly_its_path(config, heads_major):
   prompts = [[5, 9, 3, 7, 1], [2, 4]]
   nodes = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]]
@@ -233,8 +233,11 @@ def test_tree_requests_of_a_bucket_do_not_retrace(target):
 TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=8, eos_id=None)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "model"])
-@pytest.mark.parametrize("sp", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8)], ids=["t1", "t07-topk3", "topp08"])
+LAWS = [("eagle", (1.0, 0, 1.0)), ("eagle", (0.7, 3, 1.0)), ("eagle", (1.0, 0, 0.8)),
+        ("medusa", (0.7, 3, 1.0)), ("model", (1.0, 0, 0.8))]
+
+
+@pytest.mark.parametrize("kind,sp", LAWS, ids=[f"{k}-t{t}-topk{tk}-topp{tp}" for k, (t, tk, tp) in LAWS])
 def test_tree_decoding_keeps_the_exact_two_token_law(kind, sp):
   target = testing.random_model(TINY_VOCAB, seed=0, scale=1.0)
   draft = _draft(kind, target, scale=1.0)
