@@ -101,7 +101,7 @@ def test_adaptive_greedy_equals_plain_decoding(pair, threshold):
   ar = jspec.generate(target, prompts, max_new_tokens=40)
   for drafter, d in [("model", draft), ("ngram", None)]:
     spec = SpecConfig(drafter=drafter, adaptive=AdaptiveConfig(fallback_threshold=threshold, probe_interval=3))
-    r = jspec.generate(target, prompts, draft=d, spec=spec, max_new_tokens=40, draft_len=6)
+    r = jspec.generate(target, prompts, draft=d, spec=spec, max_new_tokens=40, draft_len=4)
     assert r.token_ids == ar.token_ids, drafter
     counts = r.stats.draft_len_counts
     assert sum(counts.values()) == r.stats.target_forwards
@@ -112,7 +112,7 @@ def test_adaptive_greedy_equals_plain_decoding(pair, threshold):
 
 def test_no_retrace_as_k_changes_at_run_time(pair):
   target, draft = pair
-  kw = dict(draft=draft, draft_len=6,
+  kw = dict(draft=draft, draft_len=4,
             spec=SpecConfig(adaptive=AdaptiveConfig(fallback_threshold=0.5, probe_interval=2)))
   jspec.generate(target, [[1, 2]], max_new_tokens=30, **kw)
   before = dict(decode.trace_counts)

@@ -19,5 +19,5 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path):
   assert lossless["two_token_law_exact"] and lossless["cached_forward_matches"]
   assert 0 < sections["target"]["bound_over_measured"] and sections["target"]["ar_ms_per_token"] > 0
   assert sections["verify"]["verify_over_step"]["1"] == 1.0 and len(sections["verify"]["verify_over_step"]) == 4
-  assert set(sections["rounds"]["round_in_target_steps"]) == {"2", "3"}
+  assert set(sections["rounds"]["round_in_target_steps"]) == {"2"}
   assert sections["shipped"]["greedy_identical"] and sections["shipped"]["speedup"] > 0
