@@ -59,12 +59,12 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--version", action="version", version=f"jspec {jspec.__version__}")
 
   g = p.add_argument_group("models")
-  g.add_argument("--target", default=str(shipped.TARGET), metavar="DIR",
-                 help="target checkpoint: a jspec or Hugging Face model directory (default: the shipped "
-                      f"{shipped.TARGET.name})")
+  g.add_argument("--target", default=shipped.DEFAULT.name, metavar="DIR",
+                 help="target checkpoint: a jspec or Hugging Face model directory, or the name of a shipped pair "
+                      f"({', '.join(shipped.PAIRS)}; default: {shipped.DEFAULT.name})")
   g.add_argument("--draft", default=None, metavar="DIR",
                  help="draft model or Medusa/EAGLE heads directory (default: the shipped weights of --drafter "
-                      "when the target is the shipped one)")
+                      "when the target is a shipped one)")
   g.add_argument("--drafter", choices=DRAFTERS, default=None,
                  help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, or n-gram lookup in the "
                       f"context (default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")
@@ -223,10 +223,11 @@ def load_draft(args: argparse.Namespace, mesh) -> tuple:
   drafter = args.drafter or shipped.DEFAULT_DRAFTER
   if drafter not in shipped.DRAFTS:
     return None, drafter
-  if not shipped.is_target(args.target):
-    raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped one")
-  log.info("loading the %s drafter %s", drafter, shipped.DRAFTS[drafter])
-  return jspec.load(shipped.DRAFTS[drafter], dtype=args.dtype, mesh=draft_mesh), drafter
+  pair = shipped.pair_of(args.target)
+  if pair is None:
+    raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped ones")
+  log.info("loading the %s drafter %s", drafter, pair.drafts[drafter])
+  return jspec.load(pair.drafts[drafter], dtype=args.dtype, mesh=draft_mesh), drafter
 
 
 def output_entry(index: int, prompt: str, text: str, token_ids: list[int], stats) -> dict:
@@ -250,7 +251,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
   output = outputs.JsonlOutput(args.output, prompts) if args.output else None
   mesh = jspec.make_mesh(args.mesh) if args.mesh else None
   log.info("loading the target %s", args.target)
-  target = jspec.load(args.target, dtype=args.dtype, mesh=mesh)
+  target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, mesh=mesh)
   draft, drafter = load_draft(args, mesh)
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
   models = dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft)

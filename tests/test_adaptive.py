@@ -156,10 +156,11 @@ def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
   assert pairing.make_decoder(target, None, spec, 1).spec.adaptive.cost == CostModel(0.0)
 
 
-def test_the_shipped_checkpoints_carry_their_measured_cost_models():
-  target = jspec.load(shipped.TARGET)
+@pytest.mark.parametrize("pair", shipped.PAIRS.values(), ids=shipped.PAIRS)
+def test_the_shipped_checkpoints_carry_their_measured_cost_models(pair):
+  target = jspec.load(pair.target)
   assert target.cost_models["ngram"].target_params == num_params(target.config)
-  for kind, path in shipped.DRAFTS.items():
+  for kind, path in pair.drafts.items():
     cost = checkpoint.read_cost_models(path)[kind]
     assert cost.target_params == num_params(target.config) and 0 < cost.cost_ratio < 1
 

@@ -155,7 +155,7 @@ def test_cli_runs_every_drafter_kind(ckpts, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["drafter"] == kind and len(out["outputs"][0]["token_ids"]) == 6
   assert cli.main(base + ["--drafter", "eagle"]) == 2
-  assert "needs --draft DIR for a target other than the shipped one" in capsys.readouterr().err
+  assert "needs --draft DIR for a target other than the shipped ones" in capsys.readouterr().err
   for extra in (["--draft", str(ckpts / "medusa"), "--tree-choices", "[[0], [1], [0, 0]]"],
                 ["--draft", str(ckpts / "draft"), "--tree-nodes", "5"]):
     assert cli.main(base + extra + ["--tree", "--draft-len", "2", "--tree-top-k", "2"]) == 0

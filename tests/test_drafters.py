@@ -150,9 +150,9 @@ def test_bad_drafter_requests_are_one_line_errors(target):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_shipped_drafters_match_plain_decoding_on_the_shipped_target(kind):
-  target = jspec.load(shipped.TARGET)
-  draft = jspec.load(shipped.DRAFTS[kind]) if kind in shipped.DRAFTS else None
+def test_shipped_drafters_match_plain_decoding_on_the_small_shipped_target(kind):
+  target = jspec.load(shipped.SMALL.target)
+  draft = jspec.load(shipped.SMALL.drafts[kind]) if kind in shipped.SMALL.drafts else None
   prompts = ["def parse_args(argv):\n", "class Stack:\n    def push(self, item):\n"]
   r = jspec.generate(target, prompts, draft=draft, spec=SpecConfig(drafter=kind, adaptive=None), max_new_tokens=32,
                      draft_len=4)

@@ -240,10 +240,10 @@ def suite_loop(repeats: int) -> dict:
   return out
 
 
-def suite_prefill(repeats: int, widths: tuple[int, ...] = (96, 128, 192, 256, 384, 512)) -> dict:
+def suite_prefill(pair: shipped.Pair, repeats: int, widths: tuple[int, ...] = (96, 128, 192, 256, 384, 512)) -> dict:
   """The shipped target's prefill of one prompt as wide as each prompt bucket: prefill runs over the whole
   padded width, so its cost follows the bucket, not the prompt."""
-  target = jspec.load(shipped.TARGET)
+  target = jspec.load(pair.target)
   tparams = model.with_head(target.params)
   prefill = jax.jit(lambda c, t, n: model.prefill(tparams, target.config, c, t, n)[0].sum())
   fns = {}
@@ -256,9 +256,9 @@ def suite_prefill(repeats: int, widths: tuple[int, ...] = (96, 128, 192, 256, 38
           "prefill_us_per_token": {w: t[w] * 1e6 / w for w in widths}}
 
 
-def shipped_pair(kind: str):
-  """The shipped target and the shipped weights of a drafter (None for n-gram)."""
-  return jspec.load(shipped.TARGET), jspec.load(shipped.DRAFTS[kind]) if kind in shipped.DRAFTS else None
+def shipped_pair(pair: shipped.Pair, kind: str):
+  """A shipped target and the shipped weights of a drafter for it (None for n-gram)."""
+  return jspec.load(pair.target), jspec.load(pair.drafts[kind]) if kind in pair.drafts else None
 
 
 def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max_new: int = 10 ** 6):
@@ -273,11 +273,11 @@ def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max
   return decoder, decode.start(decoder, requests, 512)
 
 
-def suite_round(repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200) -> dict:
+def suite_round(pair: shipped.Pair, repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200) -> dict:
   """Where a speculative round's time goes, shipped pair, batch 1, greedy: the whole round, its parts
   (the proposal of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop
   from the same decode state; the rest of the round is its overhead."""
-  target, draft = shipped_pair(kind)
+  target, draft = shipped_pair(pair, kind)
   decoder, state = started(target, draft, kind, draft_len, 1, used)
   tparams, config = decoder.target_params, target.config
   keys = jnp.zeros((draft_len, 1, 2), jnp.uint32)
@@ -366,24 +366,24 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   return t["draft"] / t["target"]
 
 
-def suite_cost(repeats: int, kinds: list[str], write: bool, draft_len: int = 4) -> dict:
+def suite_cost(pair: shipped.Pair, repeats: int, kinds: list[str], write: bool, draft_len: int = 4) -> dict:
   """Each shipped drafter's cost model on the shipped target, batch 1: c (`drafter_cost_ratio`), v from the
   verify of K+1 tokens against one, and o, what a round (`suite_round`) costs beyond 1 + K (c + v).
   `write` stores them in the checkpoints (`cost_model.json`), where the API and CLI read them."""
-  target = jspec.load(shipped.TARGET)
+  target = jspec.load(pair.target)
   v = (verify_ratio(target, 1, draft_len, repeats) - 1) / draft_len
   out = {}
   for kind in kinds:
-    _, draft = shipped_pair(kind)
+    _, draft = shipped_pair(pair, kind)
     c = drafter_cost_ratio(target, draft, kind, repeats)
-    round_cost = suite_round(repeats, kind, draft_len)["round_in_ar_steps"]
+    round_cost = suite_round(pair, repeats, kind, draft_len)["round_in_ar_steps"]
     cost = CostModel(round(c, 4), round(v, 4), round(max(round_cost - 1 - draft_len * (c + v), 0.0), 4),
                      target_params=num_params(target.config))
     out[kind] = {"cost_ratio": cost.cost_ratio, "verify_cost": cost.verify_cost,
                  "round_overhead": cost.round_overhead, "round_in_ar_steps": round_cost}
     print(json.dumps({kind: out[kind]}), file=sys.stderr)
     if write:
-      where = shipped.DRAFTS.get(kind, shipped.TARGET)  # n-gram's cost model lives with the target
+      where = pair.drafts.get(kind, pair.target)  # n-gram's cost model lives with the target
       checkpoint.write_cost_models(where, {**checkpoint.read_cost_models(where), kind: cost})
   return {"draft_len": draft_len, "target_params": num_params(target.config), "written": write,
           "cost_models": out}
@@ -573,10 +573,10 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   return out
 
 
-def suite_stream(kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
+def suite_stream(pair: shipped.Pair, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
   """What streaming costs: the shipped pair with default settings, decoded in one loop (`jspec.generate`)
   against segments of R rounds (`jspec.stream`, every delta consumed), interleaved, at batch 1 and 4."""
-  target, draft = shipped_pair(kind)
+  target, draft = shipped_pair(pair, kind)
   prompts = heldout_prompts(prompts_per_set)
   out = {"drafter": kind, "max_new_tokens": max_new, "batches": {}}
   for batch in (1, 4):
@@ -604,10 +604,10 @@ def varied_heldout_prompts(count: int, seed: int = 0) -> list[str]:
   return prompts
 
 
-def suite_batching(kind: str, max_new: int, repeats: int, count: int, slots: int = 8) -> dict:
+def suite_batching(pair: shipped.Pair, kind: str, max_new: int, repeats: int, count: int, slots: int = 8) -> dict:
   """Continuous batching against static batches of `slots` prompts (both speculative, default settings)
   and static plain decoding: tokens/s over `count` held-out prompts that stop at their natural EOS."""
-  target, draft = shipped_pair(kind)
+  target, draft = shipped_pair(pair, kind)
   prompts = varied_heldout_prompts(count)
   groups = [prompts[i:i + slots] for i in range(0, len(prompts), slots)]
   emitted = {}
@@ -636,20 +636,20 @@ def suite_batching(kind: str, max_new: int, repeats: int, count: int, slots: int
   return out
 
 
-def suite_tree(kinds: list[str], chain_lens: list[int], batches: list[int], max_new: int, repeats: int,
-               prompts_per_set: int, depth: int = 4,
+def suite_tree(pair: shipped.Pair, kinds: list[str], chain_lens: list[int], batches: list[int], max_new: int,
+               repeats: int, prompts_per_set: int, depth: int = 4,
                shapes: tuple[tuple[int, int], ...] = ((2, 8), (4, 16), (4, 32))) -> dict:
   """Draft trees of depth `depth` against chains of `chain_lens` tokens, per drafter, greedy, held-out code:
   each cell against AR in the same process (see `cell`); and the verify cost curve (a target forward of N
   tokens over one of 1, batch 1, 200 tokens in the cache)."""
-  target = jspec.load(shipped.TARGET)
+  target = jspec.load(pair.target)
   prompts = heldout_prompts(prompts_per_set)
   out = {"depth": depth, "max_new_tokens": max_new, "prompts": len(prompts), "verify_cost": {}, "cells": []}
   for n in (2, 4, 8, 16, 24, 32, 48, 64):
     out["verify_cost"][n] = verify_ratio(target, 1, n - 1, repeats)
     print(json.dumps({"verify_n": n, "over_one": out["verify_cost"][n]}), file=sys.stderr)
   for kind in kinds:
-    draft = shipped_pair(kind)[1]
+    draft = shipped_pair(pair, kind)[1]
     for batch in batches:
       groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
       configs = [(k, None) for k in chain_lens] + [(depth, TreeConfig(top_k=t, nodes=n)) for t, n in shapes]
@@ -688,11 +688,14 @@ def main() -> int:
                   help="comma-separated: code (held-out completions), edit (context editing), prose (English)")
   ap.add_argument("--with-hf", action="store_true",
                   help="also run Hugging Face transformers' assisted generation on the shipped pair (needs [interop])")
+  ap.add_argument("--pair", choices=list(shipped.PAIRS), default=shipped.DEFAULT.name,
+                  help="the shipped target and drafters to measure")
   ap.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and the plots")
   args = ap.parse_args()
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   ints = lambda text: [int(x) for x in text.split(",")]
+  pair = shipped.PAIRS[args.pair]
   if args.quick:
     target = testing.random_model(testing.TINY, scale=2.0)
     drafts = {"model": testing.perturbed(target, 0.3), "ngram": None}
@@ -703,24 +706,24 @@ def main() -> int:
   elif args.suite == "loop":
     result = suite_loop(args.repeats)
   elif args.suite == "prefill":
-    result = suite_prefill(args.repeats)
+    result = suite_prefill(pair, args.repeats)
   elif args.suite == "round":
-    result = {"rounds": [suite_round(args.repeats, kind) for kind in args.drafters.split(",")]}
+    result = {"rounds": [suite_round(pair, args.repeats, kind) for kind in args.drafters.split(",")]}
   elif args.suite == "cost":
-    result = suite_cost(args.repeats, args.drafters.split(","), args.write)
+    result = suite_cost(pair, args.repeats, args.drafters.split(","), args.write)
   elif args.suite == "adaptive":
     kind = args.drafters.split(",")[0]
-    result = suite_adaptive(*shipped_pair(kind), kind, args.max_new_tokens, args.repeats, args.prompts)
+    result = suite_adaptive(*shipped_pair(pair, kind), kind, args.max_new_tokens, args.repeats, args.prompts)
   elif args.suite == "stream":
-    result = suite_stream(args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
+    result = suite_stream(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   elif args.suite == "tree":
-    result = suite_tree(args.drafters.split(","), ints(args.draft_lens), ints(args.batches), args.max_new_tokens,
+    result = suite_tree(pair, args.drafters.split(","), ints(args.draft_lens), ints(args.batches), args.max_new_tokens,
                         args.repeats, args.prompts)
   elif args.suite == "batching":
-    result = suite_batching(args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
+    result = suite_batching(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   else:
-    target = jspec.load(shipped.TARGET)
-    drafts = {kind: shipped_pair(kind)[1] for kind in args.drafters.split(",")}
+    target = jspec.load(pair.target)
+    drafts = {kind: shipped_pair(pair, kind)[1] for kind in args.drafters.split(",")}
     result = {"sets": {}}
     for name in args.prompt_sets.split(","):
       print(f"prompt set {name}", file=sys.stderr)
@@ -733,7 +736,7 @@ def main() -> int:
                                          args.repeats, save)
     if args.with_hf:
       import bench_hf
-      result["hf"] = bench_hf.compare(shipped.TARGET, shipped.DRAFTS["model"],
+      result["hf"] = bench_hf.compare(pair.target, pair.drafts["model"],
                                       PROMPT_SETS["code"](args.prompts), args.max_new_tokens, args.repeats,
                                       out_dir / "hf")
   result = {"suite": "quick" if args.quick else args.suite, "command": " ".join(sys.argv), "jax": jax.__version__,

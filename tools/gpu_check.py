@@ -11,8 +11,8 @@ Sections, each timed and recorded even when a later one fails or the budget runs
   weight-streaming bound (its weights' bytes over this device's measured copy bandwidth);
 - verify: a forward of N = 1..64 tokens per row over one of 1 token, on that target;
 - rounds: a speculative round with a Llama-3.2-1B-shaped random draft, K = 2..8, in target steps;
-- shipped: the shipped pair's speedup with the default settings (greedy, batch 1), interleaved medians; the
-  two runs' tokens must be the same.
+- shipped: the default shipped pair's speedup with the default settings (greedy, batch 1; with --smoke the
+  small pair), interleaved medians; the two runs' tokens must be the same.
 """
 from __future__ import annotations
 
@@ -151,7 +151,8 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
 
 
 def shipped_section(smoke: bool) -> dict:
-  target, draft = jspec.load(shipped.TARGET), jspec.load(shipped.DRAFTS["model"])
+  pair = shipped.SMALL if smoke else shipped.DEFAULT
+  target, draft = jspec.load(pair.target), jspec.load(pair.drafts["model"])
   prompt = ["def parse_args(argv):\n"]
   new = 16 if smoke else 128
   kw = dict(max_new_tokens=new, ignore_eos=True)
