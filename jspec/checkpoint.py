@@ -3,7 +3,8 @@
 A model directory holds `config.json`, orbax `params/` and `tokenizer.json`; a heads directory (Medusa or
 EAGLE) holds `drafter.json` (kind and shape) and `params/`, and borrows the target's embedding, LM head and
 tokenizer. Either may hold `cost_model.json`: the cost models measured with it, by drafter kind
-(`jspec.settings.CostModel`; written by `tools/bench.py --suite cost --write`).
+(`jspec.settings.CostModel`, with the fastest measured tree shape; written by `tools/bench.py --suite cost
+--write` and `--suite tree --write`).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def read_cost_models(path: pathlib.Path) -> dict[str, CostModel]:
 
 def write_cost_models(path: pathlib.Path, cost_models: dict[str, CostModel]) -> None:
   if cost_models:
-    fields = {kind: dataclasses.asdict(c) for kind, c in sorted(cost_models.items())}
+    fields = {kind: {k: v for k, v in dataclasses.asdict(c).items() if v is not None}  # None: the default
+              for kind, c in sorted(cost_models.items())}
     (pathlib.Path(path) / COST_FILE).write_text(json.dumps(fields, indent=2) + "\n")
 
 

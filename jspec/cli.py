@@ -18,6 +18,7 @@ import time
 import jspec
 from jspec import outputs, shipped
 from jspec.settings import (
+  DEFAULT_TREE,
   DRAFTERS,
   DTYPES,
   MAX_DRAFT_LEN,
@@ -52,7 +53,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
-  spec, adaptive, sampling, tree = SpecConfig(), AdaptiveConfig(), SamplingConfig(), TreeConfig()
+  spec, adaptive, sampling = SpecConfig(), AdaptiveConfig(), SamplingConfig()
   p = argparse.ArgumentParser(prog="python -m jspec.generate", formatter_class=_Formatter, epilog=EXAMPLES,
                               description="Speculative decoding: a draft proposes, the target verifies, "
                                           "and the output is exactly the target's.")
@@ -137,9 +138,11 @@ def parser() -> argparse.ArgumentParser:
                  help="draft a token tree of depth --draft-len instead of a chain, all verified in one target "
                       "forward, so a rejected token's sibling can still be accepted (medusa: a static tree; eagle "
                       "and model: EAGLE-2's dynamic tree); rounds keep that shape (no adaptive K)")
-  g.add_argument("--tree-top-k", type=int, default=tree.top_k, metavar="K",
-                 help="children per expanded node: the draft's top-K tokens")
-  g.add_argument("--tree-nodes", type=int, default=tree.nodes, metavar="N", help="nodes verified per round")
+  g.add_argument("--tree-top-k", type=int, default=None, metavar="K",
+                 help="children per expanded node: the draft's top-K tokens (default: the drafter's measured "
+                      f"shape, from its checkpoint, else {DEFAULT_TREE[0]})")
+  g.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                 help=f"nodes verified per round (default: measured, else {DEFAULT_TREE[1]})")
   g.add_argument("--tree-choices", metavar="JSON",
                  help="medusa: the static tree as a JSON list of paths of ranks, as Medusa's tree_choices "
                       "(default: the --tree-nodes paths likeliest to be accepted)")
@@ -196,7 +199,7 @@ def speculation(args: argparse.Namespace) -> SpecConfig:
         choices = tuple(tuple(path) for path in json.loads(args.tree_choices))
       except (ValueError, TypeError):
         raise ValueError("--tree-choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]") from None
-    tree = TreeConfig(top_k=args.tree_top_k, nodes=len(choices) if choices else args.tree_nodes, choices=choices)
+    tree = TreeConfig(top_k=args.tree_top_k, nodes=args.tree_nodes, choices=choices)
   elif args.tree_choices is not None:
     raise ValueError("--tree-choices needs --tree")
   return SpecConfig(draft_len=args.draft_len, drafter=args.drafter, max_ngram=args.max_ngram,

@@ -41,38 +41,41 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     params, measured = draft.params, draft.cost_models.get(kind)
   if spec.disable_at_batch_size is not None and batch >= spec.disable_at_batch_size:
     return plain  # vLLM's rule: large batches gain little from speculation
+  if measured is not None and measured.target_params not in (None, num_params(target.config)):
+    measured = None  # measured with another target
   policy = spec.adaptive
   if spec.tree is not None:  # trees run at their fixed shape
-    spec = _tree_spec(target, kind, drafter, spec)
+    spec = _tree_spec(target, kind, drafter, spec, measured)
     policy = None
     if kind == "model":  # the draft's cache trails the text by the accepted path after a tree round
       drafter = dataclasses.replace(drafter, max_lag=max(drafter.max_lag, spec.draft_len))
   if policy is not None:
-    if measured is None or measured.target_params not in (None, num_params(target.config)):
-      measured = CostModel.neutral(kind)
-    policy = policy.with_costs(measured)
+    policy = policy.with_costs(measured or CostModel.neutral(kind))
     if kind == "model" and policy.fallback_threshold > 0:  # plain steps leave the draft behind
       drafter = dataclasses.replace(drafter, max_lag=policy.probe_interval + 1)
   spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)
   return Decoder(target.params, params, target_config=target.config, drafter=drafter, spec=spec)
 
 
-def _tree_spec(target: Model, kind: str, drafter, spec: SpecConfig) -> SpecConfig:
-  """`spec` with its tree checked against the drafter and the target, and Medusa's static shape chosen."""
+def _tree_spec(target: Model, kind: str, drafter, spec: SpecConfig, measured: CostModel | None) -> SpecConfig:
+  """`spec` with its tree's shape set (the drafter's measured one where unset) and checked against the
+  drafter and the target, and Medusa's static shape chosen."""
   if not hasattr(drafter, "propose_tree"):
     raise ValueError(f"the {kind} drafter drafts chains only; trees need medusa, eagle or model")
   windows = [w for w in target.config.sliding_windows if w]
   if windows and min(windows) <= spec.draft_len:
     raise ValueError(f"a tree of depth {spec.draft_len} needs sliding windows wider than it (the target's "
                      f"narrowest is {min(windows)})")
-  shape = spec.tree
+  shape = spec.tree.resolved(measured)
   if kind == "medusa":
     if shape.choices is None:
       choices = tree.default_choices(spec.draft_len, shape.top_k, shape.nodes)
       shape = dataclasses.replace(shape, choices=choices, nodes=len(choices))
   else:
     made = shape.top_k + (spec.draft_len - 1) * shape.top_k ** 2
-    if shape.nodes > made:
+    if shape.nodes > made and spec.tree.nodes is None:  # a measured or default size, for a shallower tree
+      shape = dataclasses.replace(shape, nodes=made)
+    elif shape.nodes > made:
       raise ValueError(f"a tree of depth {spec.draft_len} and top-k {shape.top_k} makes {made} candidate "
                        f"nodes, fewer than the {shape.nodes} asked for")
     if shape.choices is not None:

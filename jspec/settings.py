@@ -17,6 +17,7 @@ DRAFTERS = ("model", "medusa", "eagle", "ngram")
 MAX_DRAFT_LEN = 16
 MAX_NGRAM = 8
 MAX_TREE_NODES = 64  # draft tree nodes a round may verify (one target forward over them all)
+DEFAULT_TREE = (4, 16)  # top-k and nodes of a tree for a drafter with no measured shape
 DTYPES = ("float32", "bfloat16")  # what parameters and activations may be computed in
 
 
@@ -56,11 +57,15 @@ class CostModel:
   adds to a target forward; o (`round_overhead`): a round's time beyond its forwards. `tools/bench.py
   --suite cost --write` measures them for a pair and stores them with the drafter's checkpoint, noting
   the target's parameter count: a measured cost model applies only to a target of that size.
+  `tree_top_k` and `tree_nodes`: the fastest tree shape measured for the drafter (`--suite tree --write`),
+  what `TreeConfig()` uses with it.
   """
   cost_ratio: float
   verify_cost: float = 0.0
   round_overhead: float = 0.0
   target_params: int | None = None  # the target it was measured with; None: any
+  tree_top_k: int | None = None
+  tree_nodes: int | None = None
 
   def __post_init__(self):
     for name in ("cost_ratio", "verify_cost", "round_overhead"):
@@ -68,6 +73,10 @@ class CostModel:
       _check(_is_real(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
     _check(self.target_params is None or _is_int(self.target_params),
            f"target_params must be an integer, got {self.target_params}")
+    for name in ("tree_top_k", "tree_nodes"):
+      value = getattr(self, name)
+      _check(value is None or (_is_int(value) and 1 <= value <= MAX_TREE_NODES),
+             f"{name} must be an integer in [1, {MAX_TREE_NODES}], got {value}")
 
   @classmethod
   def neutral(cls, drafter: str) -> CostModel:
@@ -121,15 +130,21 @@ class TreeConfig:
   has up to `top_k` children (the draft's top-k tokens), and `nodes` are verified in one target forward.
   `choices` fixes the shape as a list of paths of child ranks (Medusa's `tree_choices`: `(0, 1)` is the
   second-best token below the best one); by default the `nodes` paths likeliest to be accepted are kept.
+  `top_k` and `nodes` left None take the drafter's measured shape (`CostModel.tree_top_k`, `tree_nodes`),
+  else `DEFAULT_TREE` (see `resolved`); given `choices`, their widest rank and their count.
   """
-  top_k: int = 4
-  nodes: int = 16
+  top_k: int | None = None
+  nodes: int | None = None
   choices: tuple[tuple[int, ...], ...] | None = None
 
   def __post_init__(self):
-    _check(_is_int(self.top_k) and 1 <= self.top_k <= MAX_TREE_NODES,
+    if self.choices is not None:
+      ranks = [r for path in self.choices for r in path if _is_int(r)]
+      object.__setattr__(self, "top_k", self.top_k if self.top_k is not None else max(ranks, default=-1) + 1)
+      object.__setattr__(self, "nodes", self.nodes if self.nodes is not None else len(self.choices))
+    _check(self.top_k is None or (_is_int(self.top_k) and 1 <= self.top_k <= MAX_TREE_NODES),
            f"tree top_k must be an integer in [1, {MAX_TREE_NODES}], got {self.top_k}")
-    _check(_is_int(self.nodes) and 1 <= self.nodes <= MAX_TREE_NODES,
+    _check(self.nodes is None or (_is_int(self.nodes) and 1 <= self.nodes <= MAX_TREE_NODES),
            f"tree nodes must be an integer in [1, {MAX_TREE_NODES}], got {self.nodes}")
     if self.choices is not None:
       paths = set(self.choices)
@@ -138,6 +153,14 @@ class TreeConfig:
              f"each tree choice must be a non-empty path of ranks in [0, {self.top_k})")
       _check(all(len(c) == 1 or c[:-1] in paths for c in self.choices),
              "every tree choice's parent path must be a choice")
+
+  def resolved(self, measured: CostModel | None) -> TreeConfig:
+    """This shape with each unset field taken from the drafter's measured shape, else `DEFAULT_TREE`."""
+    pick = lambda value, from_measured, default: next(
+        v for v in (value, from_measured, default) if v is not None)
+    return dataclasses.replace(
+        self, top_k=pick(self.top_k, measured and measured.tree_top_k, DEFAULT_TREE[0]),
+        nodes=pick(self.nodes, measured and measured.tree_nodes, DEFAULT_TREE[1]))
 
 
 @dataclasses.dataclass(frozen=True)

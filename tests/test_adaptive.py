@@ -171,6 +171,7 @@ def test_settings_refuse_every_bad_value():
       (lambda: AdaptiveConfig(window=0), "window"), (lambda: AdaptiveConfig(initial_draft_len=0), "initial_draft_len"),
       (lambda: AdaptiveConfig(cost_ratio=float("inf")), "cost_ratio"),
       (lambda: CostModel(-1.0), "cost_ratio"), (lambda: CostModel(0.1, target_params=1.5), "target_params"),
+      (lambda: CostModel(0.1, tree_nodes=0), "tree_nodes"),
       (lambda: SpecConfig(draft_len=True), "draft_len"), (lambda: SpecConfig(trace_rounds=-1), "trace_rounds"),
       (lambda: SpecConfig(drafter="tree"), "unknown drafter")]:
     with pytest.raises(ValueError, match=message):

@@ -9,8 +9,9 @@ import pytest
 
 import jspec
 from jspec import cache as kvcache
-from jspec import decode, drafters, model, testing, tree
-from jspec.settings import SpecConfig, TreeConfig
+from jspec import checkpoint, decode, drafters, model, pairing, testing, tree
+from jspec.config import num_params
+from jspec.settings import DEFAULT_TREE, CostModel, SpecConfig, TreeConfig
 
 # Chunk entry 0 is the pending token; node m is entry m + 1. Three children of the pending token, two
 # below the first, one below the second, one below entry 4 (depth 3).
@@ -245,3 +246,25 @@ def test_tree_decoding_keeps_the_exact_two_token_law(kind, sp):
   tv, bound, stats = testing.two_token_tv(target, [1, 5, 2], sp, 3000, draft=draft, spec=spec)
   assert tv < bound, (tv, bound)
   assert 0.05 < stats.acceptance_rate < 0.95
+
+
+def test_an_unset_tree_shape_is_the_drafters_measured_one(target, tmp_path):
+  shape = lambda draft, tree_config, depth=3, t=target: pairing.make_decoder(
+      t, draft, SpecConfig(draft_len=depth, tree=tree_config), 1).spec.tree
+  draft = _draft("model", target)
+  assert (shape(draft, TreeConfig()).top_k, shape(draft, TreeConfig()).nodes) == DEFAULT_TREE  # none measured
+  measured = CostModel(0.1, target_params=num_params(target.config), tree_top_k=2, tree_nodes=6)
+  checkpoint.save(dataclasses.replace(draft, cost_models={"model": measured}), tmp_path / "draft")
+  draft = jspec.load(tmp_path / "draft")
+  assert shape(draft, TreeConfig()) == TreeConfig(2, 6)
+  assert shape(draft, TreeConfig(top_k=3)) == TreeConfig(3, 6)  # what is given wins
+  assert shape(draft, TreeConfig(), depth=1) == TreeConfig(2, 2)  # a depth-1 tree has only top-k nodes
+  with pytest.raises(ValueError, match="makes 2 candidate nodes, fewer than the 6 asked for"):
+    shape(draft, TreeConfig(nodes=6), depth=1)
+  other = testing.random_model(dataclasses.replace(NO_EOS, mlp_dim=256))
+  assert shape(draft, TreeConfig(), t=other) == TreeConfig(*DEFAULT_TREE)  # measured with another target
+  # Medusa's static tree: the measured size, its paths from the rank prior; given choices set both.
+  heads = _draft("medusa", target)
+  heads = dataclasses.replace(heads, cost_models={"medusa": measured})
+  assert shape(heads, TreeConfig()).choices == tree.default_choices(3, 2, 6)
+  assert shape(heads, TreeConfig(choices=((0,), (2,), (0, 0)))) == TreeConfig(3, 3, ((0,), (2,), (0, 0)))

@@ -384,7 +384,10 @@ def suite_cost(pair: shipped.Pair, repeats: int, kinds: list[str], write: bool, 
     print(json.dumps({kind: out[kind]}), file=sys.stderr)
     if write:
       where = pair.drafts.get(kind, pair.target)  # n-gram's cost model lives with the target
-      checkpoint.write_cost_models(where, {**checkpoint.read_cost_models(where), kind: cost})
+      models = checkpoint.read_cost_models(where)
+      if kind in models:  # a measured tree shape stays
+        cost = dataclasses.replace(cost, tree_top_k=models[kind].tree_top_k, tree_nodes=models[kind].tree_nodes)
+      checkpoint.write_cost_models(where, {**models, kind: cost})
   return {"draft_len": draft_len, "target_params": num_params(target.config), "written": write,
           "cost_models": out}
 
@@ -637,11 +640,12 @@ def suite_batching(pair: shipped.Pair, kind: str, max_new: int, repeats: int, co
 
 
 def suite_tree(pair: shipped.Pair, kinds: list[str], chain_lens: list[int], batches: list[int], max_new: int,
-               repeats: int, prompts_per_set: int, depth: int = 4,
+               repeats: int, prompts_per_set: int, write: bool, depth: int = 4,
                shapes: tuple[tuple[int, int], ...] = ((2, 8), (4, 16), (4, 32))) -> dict:
   """Draft trees of depth `depth` against chains of `chain_lens` tokens, per drafter, greedy, held-out code:
   each cell against AR in the same process (see `cell`); and the verify cost curve (a target forward of N
-  tokens over one of 1, batch 1, 200 tokens in the cache)."""
+  tokens over one of 1, batch 1, 200 tokens in the cache). `write` stores each drafter's fastest tree
+  shape at the smallest batch in its checkpoint's cost model, the shape `--tree` then defaults to."""
   target = jspec.load(pair.target)
   prompts = heldout_prompts(prompts_per_set)
   out = {"depth": depth, "max_new_tokens": max_new, "prompts": len(prompts), "verify_cost": {}, "cells": []}
@@ -660,6 +664,16 @@ def suite_tree(pair: shipped.Pair, kinds: list[str], chain_lens: list[int], batc
         print(json.dumps({key: row[key] for key in ("drafter", "batch", "draft_len", "tree", "tau", "speedup",
                                                     "decode_speedup", "round_cost_in_ar_steps")}), file=sys.stderr)
       engine.release_executables()
+    trees = [c for c in out["cells"] if c["drafter"] == kind and c["tree"] and c["batch"] == min(batches)]
+    out.setdefault("fastest_tree", {})[kind] = max(trees, key=lambda c: c["speedup"])["tree"]
+    if write:
+      where = pair.drafts[kind]
+      models = checkpoint.read_cost_models(where)
+      measured = models.get(kind, CostModel(CostModel.neutral(kind).cost_ratio,
+                                            target_params=num_params(target.config)))
+      models[kind] = dataclasses.replace(measured, tree_top_k=out["fastest_tree"][kind]["top_k"],
+                                         tree_nodes=out["fastest_tree"][kind]["nodes"])
+      checkpoint.write_cost_models(where, models)
   return out
 
 
@@ -675,7 +689,8 @@ def main() -> int:
   ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill", "cost", "stream",
                                      "batching", "tree"],
                   default="sweep")
-  ap.add_argument("--write", action="store_true", help="--suite cost: store the cost models in the checkpoints")
+  ap.add_argument("--write", action="store_true",
+                  help="--suite cost: store the cost models in the checkpoints; --suite tree: the fastest tree shapes")
   ap.add_argument("--quick", action="store_true", help="a smoke run of the sweep on tiny random models (CI)")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
@@ -717,8 +732,8 @@ def main() -> int:
   elif args.suite == "stream":
     result = suite_stream(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   elif args.suite == "tree":
-    result = suite_tree(pair, args.drafters.split(","), ints(args.draft_lens), ints(args.batches), args.max_new_tokens,
-                        args.repeats, args.prompts)
+    result = suite_tree(pair, args.drafters.split(","), ints(args.draft_lens), ints(args.batches),
+                        args.max_new_tokens, args.repeats, args.prompts, args.write)
   elif args.suite == "batching":
     result = suite_batching(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   else:
