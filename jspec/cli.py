@@ -143,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
                       f"shape, from its checkpoint, else {DEFAULT_TREE[0]})")
   g.add_argument("--tree-nodes", type=int, default=None, metavar="N",
                  help=f"nodes verified per round (default: measured, else {DEFAULT_TREE[1]})")
+  g.add_argument("--tree-sampled", action="store_true",
+                 help="eagle, model: when sampling, draw each node's children from the draft's distribution "
+                      "(SpecInfer's multi-draft rule) instead of taking its top-k")
   g.add_argument("--tree-choices", metavar="JSON",
                  help="medusa: the static tree as a JSON list of paths of ranks, as Medusa's tree_choices "
                       "(default: the --tree-nodes paths likeliest to be accepted)")
@@ -199,9 +202,9 @@ def speculation(args: argparse.Namespace) -> SpecConfig:
         choices = tuple(tuple(path) for path in json.loads(args.tree_choices))
       except (ValueError, TypeError):
         raise ValueError("--tree-choices must be a JSON list of lists of ranks, e.g. [[0], [1], [0, 0]]") from None
-    tree = TreeConfig(top_k=args.tree_top_k, nodes=args.tree_nodes, choices=choices)
-  elif args.tree_choices is not None:
-    raise ValueError("--tree-choices needs --tree")
+    tree = TreeConfig(top_k=args.tree_top_k, nodes=args.tree_nodes, choices=choices, sampled=args.tree_sampled)
+  elif args.tree_choices is not None or args.tree_sampled:
+    raise ValueError("--tree-choices and --tree-sampled need --tree")
   return SpecConfig(draft_len=args.draft_len, drafter=args.drafter, max_ngram=args.max_ngram,
                     typical_acceptance=args.typical_acceptance, adaptive=adaptive,
                     disable_at_batch_size=args.disable_at_batch_size, tree=tree)

@@ -280,12 +280,12 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
 
 def _draft_tree_and_verify(decoder: Decoder, state: DecodeState) -> DecodeState:
   """A tree round: the drafter's tree of depth `spec.draft_len`, then its verification."""
-  state, keys = _split_keys(state, 1)
+  state, keys = _split_keys(state, 2)
   with jax.named_scope("drafter"):
     drafter_state, proposal = decoder.drafter.propose_tree(
         decoder.drafter_params, decoder.target_params, state.drafter_state, state.tokens, state.seq_lens,
-        decoder.spec)
-  state = tree_verify_step(decoder, state.replace(drafter_state=drafter_state), proposal, keys[0])
+        decoder.spec, keys[0], state.sampling)
+  state = tree_verify_step(decoder, state.replace(drafter_state=drafter_state), proposal, keys[1])
   return state.replace(stats=state.stats.count_schedule(decoder.spec.draft_len))
 
 

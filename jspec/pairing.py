@@ -67,6 +67,8 @@ def _tree_spec(target: Model, kind: str, drafter, spec: SpecConfig, measured: Co
     raise ValueError(f"a tree of depth {spec.draft_len} needs sliding windows wider than it (the target's "
                      f"narrowest is {min(windows)})")
   shape = spec.tree.resolved(measured)
+  if kind == "medusa" and shape.sampled:
+    raise ValueError("the medusa drafter's tree is static: sampled children need eagle or model")
   if kind == "medusa":
     if shape.choices is None:
       choices = tree.default_choices(spec.draft_len, shape.top_k, shape.nodes)

@@ -131,11 +131,14 @@ class TreeConfig:
   `choices` fixes the shape as a list of paths of child ranks (Medusa's `tree_choices`: `(0, 1)` is the
   second-best token below the best one); by default the `nodes` paths likeliest to be accepted are kept.
   `top_k` and `nodes` left None take the drafter's measured shape (`CostModel.tree_top_k`, `tree_nodes`),
-  else `DEFAULT_TREE` (see `resolved`); given `choices`, their widest rank and their count.
+  else `DEFAULT_TREE` (see `resolved`); given `choices`, their widest rank and their count. `sampled`
+  draws each node's children from the draft's distribution instead of taking its top-k when sampling
+  (SpecInfer's multi-draft proposal and rule; dynamic trees only), keeping the first `nodes` level by level.
   """
   top_k: int | None = None
   nodes: int | None = None
   choices: tuple[tuple[int, ...], ...] | None = None
+  sampled: bool = False
 
   def __post_init__(self):
     if self.choices is not None:
@@ -146,6 +149,8 @@ class TreeConfig:
            f"tree top_k must be an integer in [1, {MAX_TREE_NODES}], got {self.top_k}")
     _check(self.nodes is None or (_is_int(self.nodes) and 1 <= self.nodes <= MAX_TREE_NODES),
            f"tree nodes must be an integer in [1, {MAX_TREE_NODES}], got {self.nodes}")
+    _check(isinstance(self.sampled, bool), f"tree sampled must be a bool, got {self.sampled!r}")
+    _check(not (self.sampled and self.choices is not None), "sampled children need a dynamic tree, not choices")
     if self.choices is not None:
       paths = set(self.choices)
       _check(len(paths) == len(self.choices) == self.nodes, "tree choices must be `nodes` distinct paths")

@@ -34,7 +34,7 @@ from jax import lax
 
 from jspec import cache as kvcache
 from jspec.cache import KVCache
-from jspec.sampling import argmax
+from jspec.sampling import SamplingParams, argmax, probabilities
 
 TOP_K, SAMPLED = "top_k", "sampled"
 
@@ -186,29 +186,69 @@ def compact(cache: KVCache, base_B: jax.Array, path_BxL1: jax.Array) -> KVCache:
   return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
-def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: int,
-         nodes: int) -> tuple[Any, jax.Array, jax.Array]:
+def top_k_children(logits_BxSxV: jax.Array, top_k: int, level: int) -> tuple[jax.Array, jax.Array]:
+  """Each of S nodes' children: the draft's top-k tokens, and their log-probabilities."""
+  return lax.top_k(jax.nn.log_softmax(logits_BxSxV.astype(jnp.float32)), top_k)
+
+
+def sampled_children(keys_B: jax.Array, sampling: SamplingParams):
+  """A `grow` child chooser: each node's children drawn independently from q, the draft's distribution
+  under the rows' sampling (SpecInfer's multi-draft proposal, verified with the `SAMPLED` rule), with their
+  log-probabilities under q. Greedy rows take the top-k (their one-hot q makes either rule exact)."""
+  def choose(logits_BxSxV: jax.Array, top_k: int, level: int) -> tuple[jax.Array, jax.Array]:
+    logq_BxSxV = jnp.log(probabilities(logits_BxSxV, sampling))
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, level))(keys_B)
+    draws_BxSxK = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, shape=(top_k, lq.shape[0])).T)(
+        keys, logq_BxSxV).astype(jnp.int32)
+    score_BxSxK = jnp.take_along_axis(logq_BxSxV, draws_BxSxK, axis=-1)
+    top_score, top_token = top_k_children(logits_BxSxV, top_k, level)
+    greedy = (sampling.temperature == 0)[:, None, None]
+    return jnp.where(greedy, top_score, score_BxSxK), jnp.where(greedy, top_token, draws_BxSxK)
+  return choose
+
+
+def children(spec, keys_B: jax.Array, sampling: SamplingParams):
+  """The child chooser `spec.tree` asks for: `sampled_children` or `top_k_children`."""
+  return sampled_children(keys_B, sampling) if spec.tree.sampled else top_k_children
+
+
+def rule(spec) -> str:
+  """The verification rule for the children `spec.tree` makes."""
+  return SAMPLED if spec.tree.sampled else TOP_K
+
+
+def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: int, nodes: int,
+         choose=top_k_children) -> tuple[Any, jax.Array, jax.Array, jax.Array | None]:
   """EAGLE-2's dynamic tree from a drafter's distributions. The root's top-k tokens are the first
   frontier; each further level expands the frontier (the top-k nodes of the level by cumulative draft
   log-probability) into top-k children each. Every node made is a candidate; the `nodes` candidates of
   highest cumulative log-probability are kept (scores fall along a path, and ties go to the shallower, so
   every kept node's parent is kept) and flattened in topological order.
 
+  With `choose=sampled_children(...)` each node's children are drawn from q instead. Then which of them
+  are kept must not depend on their own values (a kept sample must still be a draw from q): the first
+  `nodes` candidates are kept, level by level, children of the likelier frontier nodes first, in the
+  order drawn; and the logits each chunk entry's children were drawn from are returned for verification
+  (None with top-k children).
+
   `expand(carry, parent_state_BxK, tokens_BxK, tree_BxKxA, level)` feeds a level's frontier to the drafter:
   the frontier's tokens, what their parents' expansion left (`parent_state`, a pytree of [B, K, ...]
   leaves), and each frontier entry's ancestors among the A = level * K entries fed this round (itself
   included). It returns `(carry, logits_BxKxV, state_BxK)`: each frontier node's children's logits and the
-  state its children will get. Returns `(carry, tokens_BxM, parents_BxM)`.
+  state its children will get. Returns `(carry, tokens_BxM, parents_BxM, logits_BxM1xV or None)`.
   """
   batch = logits_BxV.shape[0]
-  score_BxK, token_BxK = lax.top_k(jax.nn.log_softmax(logits_BxV.astype(jnp.float32)), top_k)
+  sampled = choose is not top_k_children
+  score_BxK, token_BxK = (x[:, 0] for x in choose(logits_BxV[:, None], top_k, 0))
   scores, tokens, parents = [score_BxK], [token_BxK.astype(jnp.int32)], [jnp.full((batch, top_k), -1, jnp.int32)]
+  expanded = []  # (candidate indices, the logits their children came from), per level
   frontier_BxK = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (batch, top_k))  # candidate indices
   frontier_tokens_BxK, frontier_score_BxK = tokens[0], score_BxK
   seen_BxKxA = jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))
   for level in range(1, depth):
     carry, logits_BxKxV, state = expand(carry, parent_state, frontier_tokens_BxK, seen_BxKxA, level)
-    child_score_BxKxK, child_BxKxK = lax.top_k(jax.nn.log_softmax(logits_BxKxV.astype(jnp.float32)), top_k)
+    expanded.append((frontier_BxK, logits_BxKxV))
+    child_score_BxKxK, child_BxKxK = choose(logits_BxKxV, top_k, level)
     child_score_BxKK = (frontier_score_BxK[:, :, None] + child_score_BxKxK).reshape(batch, top_k * top_k)
     offset = sum(s.shape[1] for s in scores)
     scores.append(child_score_BxKK)
@@ -224,12 +264,22 @@ def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: 
     seen_BxKxA = jnp.concatenate([rows, jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))],
                                  axis=2)
   score_BxP, token_BxP, parent_BxP = (jnp.concatenate(x, axis=1) for x in (scores, tokens, parents))
-  level_P = jnp.concatenate([jnp.full((s.shape[1],), i) for i, s in enumerate(scores)])
-  # The best `nodes` by score, shallower first on ties, then back in candidate (topological) order.
-  order_BxP = jax.vmap(lambda s: jnp.lexsort((level_P, -s)))(score_BxP)
-  kept_BxM = jnp.sort(order_BxP[:, :nodes], axis=1)
+  if sampled:
+    kept_BxM = jnp.broadcast_to(jnp.arange(nodes), (batch, nodes))
+  else:  # the best `nodes` by score, shallower first on ties, then back in candidate (topological) order
+    level_P = jnp.concatenate([jnp.full((s.shape[1],), i) for i, s in enumerate(scores)])
+    order_BxP = jax.vmap(lambda s: jnp.lexsort((level_P, -s)))(score_BxP)
+    kept_BxM = jnp.sort(order_BxP[:, :nodes], axis=1)
   entry_BxP = jnp.zeros_like(parent_BxP).at[jnp.arange(batch)[:, None], kept_BxM].set(
       jnp.arange(1, nodes + 1, dtype=jnp.int32))
   parent_BxM = jnp.take_along_axis(parent_BxP, kept_BxM, axis=1)
   parent_entry_BxM = jnp.where(parent_BxM < 0, 0, jnp.take_along_axis(entry_BxP, jnp.maximum(parent_BxM, 0), axis=1))
-  return carry, jnp.take_along_axis(token_BxP, kept_BxM, axis=1), parent_entry_BxM
+  q_logits = None
+  if sampled:  # entry 0's children came from the root's logits, a kept node's from its expansion (if any)
+    rows = jnp.arange(batch)[:, None]
+    all_BxPxV = jnp.zeros((batch, score_BxP.shape[1], logits_BxV.shape[-1]), logits_BxV.dtype)
+    for frontier_BxK, logits_BxKxV in expanded:
+      all_BxPxV = all_BxPxV.at[rows, frontier_BxK].set(logits_BxKxV.astype(logits_BxV.dtype))
+    q_logits = jnp.concatenate([logits_BxV[:, None], jnp.take_along_axis(all_BxPxV, kept_BxM[:, :, None], axis=1)],
+                               axis=1)
+  return carry, jnp.take_along_axis(token_BxP, kept_BxM, axis=1), parent_entry_BxM, q_logits

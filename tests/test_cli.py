@@ -92,7 +92,8 @@ BAD = [
      "makes 12 candidate nodes, fewer than the 40 asked for"),
     (["--tree", "--tree-choices", "[[0], [0, 1"], "--tree-choices must be a JSON list"),
     (["--tree", "--tree-choices", "[[0], [1, 0]]"], "every tree choice's parent path must be a choice"),
-    (["--tree-choices", "[[0]]"], "--tree-choices needs --tree"),
+    (["--tree-choices", "[[0]]"], "--tree-choices and --tree-sampled need --tree"),
+    (["--tree", "--tree-sampled", "--tree-choices", "[[0]]"], "sampled children need a dynamic tree, not choices"),
     (["--tree", "--tree-choices", "[[0]]"], "the model drafter grows its tree dynamically"),
 ]
 

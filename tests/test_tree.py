@@ -234,15 +234,19 @@ def test_tree_requests_of_a_bucket_do_not_retrace(target):
 TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=8, eos_id=None)
 
 
-LAWS = [("eagle", (1.0, 0, 1.0)), ("eagle", (0.7, 3, 1.0)), ("eagle", (1.0, 0, 0.8)),
-        ("medusa", (0.7, 3, 1.0)), ("model", (1.0, 0, 0.8))]
+LAWS = [("eagle", (1.0, 0, 1.0), False), ("eagle", (0.7, 3, 1.0), False), ("eagle", (1.0, 0, 0.8), False),
+        ("medusa", (0.7, 3, 1.0), False), ("model", (1.0, 0, 0.8), False),
+        ("eagle", (1.0, 0, 1.0), True), ("model", (0.7, 3, 1.0), True)]
 
 
-@pytest.mark.parametrize("kind,sp", LAWS, ids=[f"{k}-t{t}-topk{tk}-topp{tp}" for k, (t, tk, tp) in LAWS])
-def test_tree_decoding_keeps_the_exact_two_token_law(kind, sp):
+@pytest.mark.parametrize("kind,sp,sampled", LAWS, ids=[f"{k}-t{t}-topk{tk}-topp{tp}{'-sampled' * s}"
+                                                       for k, (t, tk, tp), s in LAWS])
+def test_tree_decoding_keeps_the_exact_two_token_law(kind, sp, sampled):
+  """Top-k children, and children drawn from q (SpecInfer's rule; 6 of 3 + 9 candidates kept, so the
+  keeping is tested too)."""
   target = testing.random_model(TINY_VOCAB, seed=0, scale=1.0)
   draft = _draft(kind, target, scale=1.0)
-  spec = SpecConfig(draft_len=2, tree=TreeConfig(top_k=3, nodes=6))
+  spec = SpecConfig(draft_len=2, tree=TreeConfig(top_k=3, nodes=6, sampled=sampled))
   tv, bound, stats = testing.two_token_tv(target, [1, 5, 2], sp, 3000, draft=draft, spec=spec)
   assert tv < bound, (tv, bound)
   assert 0.05 < stats.acceptance_rate < 0.95

@@ -73,8 +73,10 @@ class Drafter(Protocol):
     After a tree round, `hidden` holds the accepted path's features in that order."""
 
   # Drafters that branch also have
-  #   propose_tree(params, target_params, state, tokens_BxT, seq_lens_B, spec) -> (state, TreeProposal)
-  # with the tree's shape from `spec` (`SpecConfig.tree`, depth `spec.draft_len`).
+  #   propose_tree(params, target_params, state, tokens_BxT, seq_lens_B, spec, keys_Bx2, sampling)
+  #     -> (state, TreeProposal)
+  # with the tree's shape from `spec` (`SpecConfig.tree`, depth `spec.draft_len`); the keys and the rows'
+  # sampling draw children from q when `spec.tree.sampled`.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,7 @@ class ModelDrafter:
     return draft_chain(step, cache, logits_BxV, keys_KxBx2, sampling)
 
   def propose_tree(self, params, target_params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
-                   seq_lens_B: jax.Array, spec) -> tuple[kvcache.KVCache, TreeProposal]:
+                   seq_lens_B: jax.Array, spec, keys_Bx2, sampling) -> tuple[kvcache.KVCache, TreeProposal]:
     """The dynamic tree (`jspec.tree.grow`) from the draft's own distributions; the cache keeps only the
     text, so after the round it trails by the accepted tokens, which the next round feeds (`max_lag`)."""
     n = seq_lens_B
@@ -95,9 +95,10 @@ class ModelDrafter:
       _, hidden, cache = model.forward(params, tokens_BxK, positions, cache, self.config, tree_BxKxA)
       return cache, self._logits(params, hidden), None
 
-    cache, tokens_BxM, parents_BxM = tree.grow(expand, cache, None, logits_BxV, spec.draft_len,
-                                               spec.tree.top_k, spec.tree.nodes)
-    return cache.rewind(n), TreeProposal(tokens_BxM, parents_BxM, None, tree.TOP_K)
+    cache, tokens_BxM, parents_BxM, q_logits = tree.grow(expand, cache, None, logits_BxV, spec.draft_len,
+                                                         spec.tree.top_k, spec.tree.nodes,
+                                                         tree.children(spec, keys_Bx2, sampling))
+    return cache.rewind(n), TreeProposal(tokens_BxM, parents_BxM, q_logits, tree.rule(spec))
 
   def observe(self, params, target_params, cache: kvcache.KVCache, tokens_BxT, hidden_BxSxD, n_B,
               new_n_B) -> kvcache.KVCache:

@@ -104,8 +104,8 @@ class EagleDrafter:
     (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, sampling)
     return EagleState(cache, feats), proposal
 
-  def propose_tree(self, params, target_params, state: EagleState, tokens_BxT, seq_lens_B,
-                   spec) -> tuple[EagleState, TreeProposal]:
+  def propose_tree(self, params, target_params, state: EagleState, tokens_BxT, seq_lens_B, spec, keys_Bx2,
+                   sampling) -> tuple[EagleState, TreeProposal]:
     """EAGLE-2's dynamic tree (`jspec.tree.grow`): each level feeds the frontier's (parent feature, token)
     pairs at once, each entry seeing the cache and its ancestors; the next round recomputes from real
     features, so nothing fed here needs to be kept."""
@@ -122,9 +122,10 @@ class EagleDrafter:
 
     top_k = spec.tree.top_k
     parent_feature = jnp.broadcast_to(feature_BxD[:, None], (n.shape[0], top_k, feature_BxD.shape[-1]))
-    cache, tokens_BxM, parents_BxM = tree.grow(expand, cache, parent_feature, logits_BxV, spec.draft_len, top_k,
-                                               spec.tree.nodes)
-    proposal = TreeProposal(tokens_BxM, parents_BxM, None, tree.TOP_K)
+    cache, tokens_BxM, parents_BxM, q_logits = tree.grow(expand, cache, parent_feature, logits_BxV, spec.draft_len,
+                                                         top_k, spec.tree.nodes,
+                                                         tree.children(spec, keys_Bx2, sampling))
+    proposal = TreeProposal(tokens_BxM, parents_BxM, q_logits, tree.rule(spec))
     return EagleState(cache.rewind(jnp.maximum(n - 1, 0)), state.features), proposal
 
   def observe(self, params, target_params, state: EagleState, tokens_BxT, hidden_BxSxD, n_B,

@@ -51,8 +51,9 @@ class MedusaDrafter:
     tokens_BxK = jnp.stack([next_token(keys_KxBx2[i], logits_BxKxV[:, i], sampling) for i in range(num)], 1)
     return state, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(seq_lens_B.shape, bool))
 
-  def propose_tree(self, params, target_params, state: Features, tokens_BxT, seq_lens_B,
-                   spec) -> tuple[Features, TreeProposal]:
+  def propose_tree(self, params, target_params, state: Features, tokens_BxT, seq_lens_B, spec, keys_Bx2,
+                   sampling) -> tuple[Features, TreeProposal]:
+    """The static tree `spec.tree.choices`: node (r1, .., rd) is head d's rank-rd token (top-k children)."""
     shape = tree.static_shape(spec.tree.choices)
     heads_BxLxD = self.head_features(params, state.last(seq_lens_B)[:, None], spec.draft_len)[:, 0]
     logits_BxLxV = model.logits_from_hidden(target_params, heads_BxLxD, self.config)
