@@ -152,7 +152,7 @@ def test_cli_runs_every_drafter_kind(ckpts, capsys):
   base = ["--target", str(ckpts / "target"), "--prompt", "abcabcabc", "--max-new-tokens", "6", "--json"]
   for extra, kind in [(["--drafter", "ngram"], "ngram"), (["--draft", str(ckpts / "medusa")], "medusa"),
                       (["--draft", str(ckpts / "draft")], "model")]:
-    assert cli.main(base + extra + ["--draft-len", "3"]) == 0
+    assert cli.main(base + extra + ["--draft-len", "3", "--no-adaptive"]) == 0  # adaptive K: test_adaptive.py
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["drafter"] == kind and len(out["outputs"][0]["token_ids"]) == 6
   assert cli.main(base + ["--drafter", "eagle"]) == 2
