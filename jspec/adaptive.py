@@ -15,12 +15,15 @@ The batch shares one target forward, so the policy is per batch:
   E[tokens | K] / (1 + o + K (c + v)), with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (alpha where
   position i has no data yet). c is the drafter's cost ratio, v what each extra verified token adds to the
   target forward, and o what a speculative round costs beyond its forwards (verification, bookkeeping,
-  the draft's catch-up), all in target steps. With r_i = alpha and o = v = 0 this is Leviathan's
-  (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on this CPU o and v are far from 0 (a 5-token verify costs
-  ~1.5 steps), and ignoring them picks drafts of the wrong length. `initial_draft_len` until any row has
-  data.
-- Fallback: when the mean windowed rate of the active rows with data is below `fallback_threshold`, the
-  round is a plain target step (branch 0). Every `probe_interval` plain rounds, one speculative round
+  the draft's catch-up), all in target steps at the batch's size (`CostModel.for_batch`). With r_i =
+  alpha and o = v = 0 this is Leviathan's (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on a CPU o and v
+  are far from 0 (a 5-token verify costs 1.3-1.5 steps), and ignoring them picks drafts of the wrong
+  length. `initial_draft_len` until any row has data.
+- Fallback: when the mean windowed rate of the active rows whose window is full (W speculative rounds) is
+  below `fallback_threshold`, or no K is expected to beat a plain step (a large batch, whose verify costs
+  more), the round is a plain target step (branch 0); a rate from fewer rounds is too noisy to stop on
+  (one unlucky first round would cost a good prompt `probe_interval` plain steps). Every `probe_interval`
+  plain rounds, one speculative round
   (a probe) re-measures, so speculation resumes when the text turns predictable again.
 """
 from __future__ import annotations
@@ -82,6 +85,11 @@ class Acceptance:
     return (self.ewma_hit_BxK + PRIOR_WEIGHT * prior_B[:, None]) / (self.ewma_tested_BxK + PRIOR_WEIGHT)
 
   @property
+  def window_full(self) -> jax.Array:
+    """[B] whether the window holds W speculative rounds (each tests at least one proposal)."""
+    return (self.window_tested_BxW > 0).all(1)
+
+  @property
   def window_rate(self) -> jax.Array:
     """[B] per-token acceptance rate over the window; NaN where nothing was tested yet."""
     tested = self.window_tested_BxW.sum(1)
@@ -110,11 +118,12 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig,
   has_data = active_B & ~jnp.isnan(alpha_B)
   rates_BxK = acceptance.position_rates(jnp.nan_to_num(alpha_B))
   gain_BxK = expected_speedup(rates_BxK, policy.cost_ratio, policy.verify_cost, policy.round_overhead)
-  best = 1 + jnp.argmax(_masked_mean(gain_BxK.T, has_data[None, :]))
-  best = jnp.where(has_data.any(), best, min(policy.initial_draft_len, max_draft_len))
+  gain_K = _masked_mean(gain_BxK.T, has_data[None, :])
+  best = jnp.where(has_data.any(), 1 + jnp.argmax(gain_K), min(policy.initial_draft_len, max_draft_len))
 
   window_B = acceptance.window_rate
-  windowed = active_B & ~jnp.isnan(window_B)
-  fallback = windowed.any() & (_masked_mean(jnp.nan_to_num(window_B), windowed) < policy.fallback_threshold)
+  windowed = active_B & acceptance.window_full
+  low = _masked_mean(jnp.nan_to_num(window_B), windowed) < policy.fallback_threshold
+  fallback = windowed.any() & (policy.fallback_threshold > 0) & (low | (jnp.max(gain_K) < 1))
   probe = fallback & (acceptance.plain_since_spec >= policy.probe_interval)
   return jnp.where(fallback & ~probe, 0, best).astype(jnp.int32), probe

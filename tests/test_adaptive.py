@@ -47,10 +47,11 @@ def test_draft_len_follows_the_expected_speedup():
     gains = tokens / (1 + policy.round_overhead + np.arange(1, 9) * (policy.cost_ratio + policy.verify_cost))
     assert choose(mixed, policy=policy)[0] == 1 + int(np.argmax(gains))
   # A dearer verify (each extra token costs more of the target forward) shortens the draft: 6 -> 2 here;
-  # a dearer round (fixed overhead) lengthens it again.
+  # a dearer round (fixed overhead) lengthens it again (so dear that no K beats a plain step: with
+  # fallback off, the best K is still taken).
   costly = dataclasses.replace(POLICY, verify_cost=0.3)
   assert choose(mixed)[0] == 6 and choose(mixed, policy=costly)[0] == 2
-  assert choose(mixed, policy=dataclasses.replace(costly, round_overhead=2.0))[0] == 6
+  assert choose(mixed, policy=dataclasses.replace(costly, round_overhead=2.0, fallback_threshold=0.0))[0] == 6
   # Leviathan's formula is the special case r_i = alpha.
   alpha, c = 0.7, 0.1
   np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), c)[0],
@@ -80,6 +81,20 @@ def test_fallback_below_the_threshold_and_probes_every_interval():
   recovered = low.after_plain_round().record(jnp.ones(1, bool), jnp.asarray([4]), 4)
   recovered = recovered.record(jnp.ones(1, bool), jnp.asarray([4]), 4)
   assert choose(recovered)[0] >= 1 and not choose(recovered)[1]
+
+
+def test_fallback_waits_for_a_full_window():
+  assert choose(stats_with([([0], 4)]))[0] >= 1  # one rejected round is too little to stop on
+  assert choose(stats_with([([0], 4)] * (POLICY.window - 1)))[0] >= 1
+  assert choose(stats_with([([0], 4)] * POLICY.window))[0] == 0
+
+
+def test_fallback_when_no_draft_length_beats_a_plain_step():
+  acc = stats_with([([1], 4)] * 8)  # rate 0.5, over the threshold: each round makes 2 tokens
+  assert choose(acc)[0] >= 1
+  dear = dataclasses.replace(POLICY, cost_ratio=0.5, verify_cost=0.5, round_overhead=0.2)  # K = 1 costs 2.2
+  assert choose(acc, policy=dear)[0] == 0
+  assert choose(acc, policy=dataclasses.replace(dear, fallback_threshold=0.0))[0] >= 1  # 0: never fall back
 
 
 def test_batch_rule_uses_the_mean_of_active_rows():
@@ -136,12 +151,17 @@ def test_disable_at_batch_size_decodes_plainly(pair):
 
 def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
   target, draft = pair
-  measured = CostModel(0.3, 0.05, 0.7, target_params=num_params(target.config))
+  measured = CostModel(0.3, 0.05, 0.7, target_params=num_params(target.config),
+                       batches={4: CostModel(0.35, 0.2, 0.5), 8: CostModel(0.4, 0.3, 0.4)})
   checkpoint.save(dataclasses.replace(draft, cost_models={"model": measured}), tmp_path / "draft")
   loaded = jspec.load(tmp_path / "draft")
   assert loaded.cost_models == {"model": measured}
-  policy = lambda t, d, **kw: pairing.make_decoder(t, d, SpecConfig(adaptive=AdaptiveConfig(**kw)), 1).spec.adaptive
+  policy = lambda t, d, batch=1, **kw: pairing.make_decoder(t, d, SpecConfig(adaptive=AdaptiveConfig(**kw)),
+                                                            batch).spec.adaptive
   assert policy(target, loaded).cost == CostModel(0.3, 0.05, 0.7)
+  # A batch takes the costs measured at the largest batch up to its size.
+  assert [policy(target, loaded, b).cost for b in (3, 4, 7, 16)] == [
+      CostModel(0.3, 0.05, 0.7), CostModel(0.35, 0.2, 0.5), CostModel(0.35, 0.2, 0.5), CostModel(0.4, 0.3, 0.4)]
   assert policy(target, loaded, verify_cost=0.2).cost == CostModel(0.3, 0.2, 0.7)  # what is given wins
   # Measured with another target: the neutral defaults, as for a drafter never measured.
   wider = testing.random_model(dataclasses.replace(CONFIG, mlp_dim=256))
@@ -172,6 +192,8 @@ def test_settings_refuse_every_bad_value():
       (lambda: AdaptiveConfig(cost_ratio=float("inf")), "cost_ratio"),
       (lambda: CostModel(-1.0), "cost_ratio"), (lambda: CostModel(0.1, target_params=1.5), "target_params"),
       (lambda: CostModel(0.1, tree_nodes=0), "tree_nodes"),
+      (lambda: CostModel(0.1, batches={1: CostModel(0.1)}), "batches"),
+      (lambda: CostModel(0.1, batches={4: {"cost_ratio": -1}}), "cost_ratio"),
       (lambda: SpecConfig(draft_len=True), "draft_len"), (lambda: SpecConfig(trace_rounds=-1), "trace_rounds"),
       (lambda: SpecConfig(drafter="tree"), "unknown drafter")]:
     with pytest.raises(ValueError, match=message):
