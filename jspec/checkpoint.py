@@ -8,7 +8,6 @@ tokenizer. Either may hold `cost_model.json`: the cost models measured with it, 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 from collections.abc import Callable
@@ -103,8 +102,7 @@ def read_cost_models(path: pathlib.Path) -> dict[str, CostModel]:
 
 def write_cost_models(path: pathlib.Path, cost_models: dict[str, CostModel]) -> None:
   if cost_models:
-    fields = {kind: {k: v for k, v in dataclasses.asdict(c).items() if v is not None}  # None: the default
-              for kind, c in sorted(cost_models.items())}
+    fields = {kind: c.to_json() for kind, c in sorted(cost_models.items())}
     (pathlib.Path(path) / COST_FILE).write_text(json.dumps(fields, indent=2) + "\n")
 
 

@@ -50,7 +50,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     if kind == "model":  # the draft's cache trails the text by the accepted path after a tree round
       drafter = dataclasses.replace(drafter, max_lag=max(drafter.max_lag, spec.draft_len))
   if policy is not None:
-    policy = policy.with_costs(measured or CostModel.neutral(kind))
+    policy = policy.with_costs((measured or CostModel.neutral(kind)).for_batch(batch))
     if kind == "model" and policy.fallback_threshold > 0:  # plain steps leave the draft behind
       drafter = dataclasses.replace(drafter, max_lag=policy.probe_interval + 1)
   spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)

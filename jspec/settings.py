@@ -59,6 +59,10 @@ class CostModel:
   the target's parameter count: a measured cost model applies only to a target of that size.
   `tree_top_k` and `tree_nodes`: the fastest tree shape measured for the drafter (`--suite tree --write`),
   what `TreeConfig()` uses with it.
+
+  c, v and o are measured at batch 1; `batches` holds them measured at larger batches, as
+  ((batch, CostModel), ...) (in JSON, {"4": {"cost_ratio": ...}}): a batched verify of K+1 tokens a row
+  costs more steps than one row's (`for_batch`).
   """
   cost_ratio: float
   verify_cost: float = 0.0
@@ -66,8 +70,14 @@ class CostModel:
   target_params: int | None = None  # the target it was measured with; None: any
   tree_top_k: int | None = None
   tree_nodes: int | None = None
+  batches: tuple[tuple[int, CostModel], ...] = ()
 
   def __post_init__(self):
+    if isinstance(self.batches, dict):  # as read from JSON
+      object.__setattr__(self, "batches", tuple(sorted(
+          (int(b), c if isinstance(c, CostModel) else CostModel(**c)) for b, c in self.batches.items())))
+    _check(all(_is_int(b) and b >= 2 and isinstance(c, CostModel) for b, c in self.batches),
+           f"batches must map batch sizes >= 2 to cost models, got {self.batches}")
     for name in ("cost_ratio", "verify_cost", "round_overhead"):
       value = getattr(self, name)
       _check(_is_real(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
@@ -77,6 +87,18 @@ class CostModel:
       value = getattr(self, name)
       _check(value is None or (_is_int(value) and 1 <= value <= MAX_TREE_NODES),
              f"{name} must be an integer in [1, {MAX_TREE_NODES}], got {value}")
+
+  def for_batch(self, batch: int) -> CostModel:
+    """The cost model measured at the largest batch up to `batch`."""
+    return next((c for b, c in reversed(self.batches) if b <= batch), self)
+
+  def to_json(self) -> dict:
+    """The fields that differ from their defaults, `batches` keyed by batch size."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batches"}
+    out = {k: v for k, v in fields.items() if v is not None}
+    if self.batches:
+      out["batches"] = {str(b): c.to_json() for b, c in self.batches}
+    return out
 
   @classmethod
   def neutral(cls, drafter: str) -> CostModel:
