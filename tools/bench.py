@@ -8,9 +8,10 @@
   python tools/bench.py --suite adaptive --drafters model   # adaptive K and fallback vs fixed K and AR
   python tools/bench.py --suite round   # where a speculative round's time goes (K = 4, batch 1)
   python tools/bench.py --suite prefill # prefill time by prompt bucket width
-  python tools/bench.py --suite cost --write   # each shipped drafter's cost model, into its checkpoint
+  python tools/bench.py --suite cost --write   # the shipped drafters' cost models (batch 1, 4, 8), stored
   python tools/bench.py --suite stream --drafters model --max-new-tokens 128   # streaming's cost (segments)
   python tools/bench.py --suite batching --drafters model --prompts 256 --max-new-tokens 128 --repeats 2
+  python tools/bench.py --suite defaults --max-new-tokens 128   # every default vs AR, per prompt, batch 1 and 4
   python tools/bench.py --quick         # a smoke run of the sweep on tiny random models (CI)
 Writes bench.json (everything), and for the sweep bench.md (tables) and PNG plots, to --out DIR.
 """
@@ -273,16 +274,18 @@ def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max
   return decoder, decode.start(decoder, requests, 512)
 
 
-def suite_round(pair: shipped.Pair, repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200) -> dict:
-  """Where a speculative round's time goes, shipped pair, batch 1, greedy: the whole round, its parts
-  (the proposal of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop
-  from the same decode state; the rest of the round is its overhead."""
+def suite_round(pair: shipped.Pair, repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200,
+                batch: int = 1) -> dict:
+  """Where a speculative round's time goes, shipped pair, greedy: the whole round, its parts (the proposal
+  of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop from the same
+  decode state; the rest of the round is its overhead."""
   target, draft = shipped_pair(pair, kind)
-  decoder, state = started(target, draft, kind, draft_len, 1, used)
+  decoder, state = started(target, draft, kind, draft_len, batch, used)
   tparams, config = decoder.target_params, target.config
-  keys = jnp.zeros((draft_len, 1, 2), jnp.uint32)
-  chunk = jnp.ones((1, draft_len + 1), jnp.int32)
-  fixed = Proposal(chunk[:, 1:], jnp.zeros((1, draft_len, config.vocab_size), jnp.float32), jnp.ones((1,), bool))
+  keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
+  chunk = jnp.ones((batch, draft_len + 1), jnp.int32)
+  fixed = Proposal(chunk[:, 1:], jnp.zeros((batch, draft_len, config.vocab_size), jnp.float32),
+                   jnp.ones((batch,), bool))
 
   def propose(s, i):
     dstate, proposal = decoder.drafter.propose(decoder.drafter_params, tparams, s.drafter_state, s.tokens,
@@ -319,7 +322,7 @@ def suite_round(pair: shipped.Pair, repeats: int, kind: str = "model", draft_len
     return lambda: jax.block_until_ready(run(state))
   t = {k: v / 32 * 1e3 for k, v in interleaved({k: timed(f) for k, f in parts.items()}, repeats).items()}
   rest = t["round"] - t["propose"] - t["verify_forward"]
-  return {"drafter": kind, "draft_len": draft_len, "batch": 1, "used": used, "ms": t,
+  return {"drafter": kind, "draft_len": draft_len, "batch": batch, "used": used, "ms": t,
           "round_in_ar_steps": t["round"] / t["ar_step"], "overhead_ms": rest,
           "overhead_in_ar_steps": rest / t["ar_step"],
           # of which: acceptance, commit, statistics and the drafter's bookkeeping after the forward
@@ -366,22 +369,28 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   return t["draft"] / t["target"]
 
 
-def suite_cost(pair: shipped.Pair, repeats: int, kinds: list[str], write: bool, draft_len: int = 4) -> dict:
-  """Each shipped drafter's cost model on the shipped target, batch 1: c (`drafter_cost_ratio`), v from the
-  verify of K+1 tokens against one, and o, what a round (`suite_round`) costs beyond 1 + K (c + v).
-  `write` stores them in the checkpoints (`cost_model.json`), where the API and CLI read them."""
+def suite_cost(pair: shipped.Pair, repeats: int, kinds: list[str], write: bool, batches: list[int],
+               draft_len: int = 4) -> dict:
+  """Each shipped drafter's cost model on the shipped target at each batch size: c
+  (`drafter_cost_ratio`), v from the verify of K+1 tokens a row against one, and o, what a round
+  (`suite_round`) costs beyond 1 + K (c + v). `write` stores them in the checkpoints (`cost_model.json`),
+  where the API and CLI read them: batch 1's as the cost model, the others as its `batches`."""
   target = jspec.load(pair.target)
-  v = (verify_ratio(target, 1, draft_len, repeats) - 1) / draft_len
+  v = {b: (verify_ratio(target, b, draft_len, repeats) - 1) / draft_len for b in batches}
   out = {}
   for kind in kinds:
     _, draft = shipped_pair(pair, kind)
-    c = drafter_cost_ratio(target, draft, kind, repeats)
-    round_cost = suite_round(pair, repeats, kind, draft_len)["round_in_ar_steps"]
-    cost = CostModel(round(c, 4), round(v, 4), round(max(round_cost - 1 - draft_len * (c + v), 0.0), 4),
-                     target_params=num_params(target.config))
-    out[kind] = {"cost_ratio": cost.cost_ratio, "verify_cost": cost.verify_cost,
-                 "round_overhead": cost.round_overhead, "round_in_ar_steps": round_cost}
-    print(json.dumps({kind: out[kind]}), file=sys.stderr)
+    measured = {}
+    for b in batches:
+      c = drafter_cost_ratio(target, draft, kind, repeats, batch=b)
+      round_cost = suite_round(pair, repeats, kind, draft_len, batch=b)["round_in_ar_steps"]
+      measured[b] = CostModel(round(c, 4), round(v[b], 4), round(max(round_cost - 1 - draft_len * (c + v[b]), 0.0), 4))
+      out.setdefault(kind, {})[b] = {"cost_ratio": measured[b].cost_ratio, "verify_cost": measured[b].verify_cost,
+                                     "round_overhead": measured[b].round_overhead, "round_in_ar_steps": round_cost}
+      print(json.dumps({kind: {b: out[kind][b]}}), file=sys.stderr)
+    base = min(batches)
+    cost = dataclasses.replace(measured[base], target_params=num_params(target.config),
+                               batches=tuple((b, m) for b, m in measured.items() if b != base))
     if write:
       where = pair.drafts.get(kind, pair.target)  # n-gram's cost model lives with the target
       models = checkpoint.read_cost_models(where)
@@ -576,6 +585,33 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   return out
 
 
+def suite_defaults(pair: shipped.Pair, max_new: int, repeats: int, count: int) -> dict:
+  """What a user gets: `jspec.generate` with every default (the default drafter and its shipped weights,
+  adaptive speculation with the checkpoint's cost model), greedy, against plain decoding, interleaved per
+  batch of prompts: each held-out code and English prose prompt alone, and held-out code in batches of 4.
+  Every row decodes `max_new` tokens (EOS ignored), so both sides do the same work."""
+  target, draft = shipped_pair(pair, shipped.DEFAULT_DRAFTER)
+  kw = dict(max_new_tokens=max_new, ignore_eos=True)
+  out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
+  for name, batch in (("code", 1), ("prose", 1), ("code", 4)):
+    prompts = PROMPT_SETS[name](count)
+    rows = []
+    for group in (prompts[i:i + batch] for i in range(0, len(prompts), batch)):
+      t = interleaved({"ar": lambda g=group: jspec.generate(target, g, **kw),
+                       "spec": lambda g=group: jspec.generate(target, g, draft=draft, **kw)}, repeats)
+      ar, spec = jspec.generate(target, group, **kw), jspec.generate(target, group, draft=draft, **kw)
+      rows.append({"prompts": len(group), "speedup": t["ar"] / t["spec"], "tau": spec.stats.mean_accepted_length,
+                   "acceptance_rate": spec.stats.acceptance_rate, "plain_forwards": spec.stats.plain_forwards,
+                   "draft_len_counts": spec.stats.draft_len_counts,
+                   "greedy_identical": spec.token_ids == ar.token_ids})
+      print(json.dumps({"set": name, "batch": batch, **rows[-1]}), file=sys.stderr)
+    speedups = [r["speedup"] for r in rows]
+    out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows,
+                                           "median_speedup": statistics.median(speedups), "min_speedup": min(speedups),
+                                           "max_speedup": max(speedups)}
+  return out
+
+
 def suite_stream(pair: shipped.Pair, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
   """What streaming costs: the shipped pair with default settings, decoded in one loop (`jspec.generate`)
   against segments of R rounds (`jspec.stream`, every delta consumed), interleaved, at batch 1 and 4."""
@@ -687,7 +723,7 @@ def floats(text: str) -> list[float]:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--suite", choices=["sweep", "step", "loop", "adaptive", "round", "prefill", "cost", "stream",
-                                     "batching", "tree"],
+                                     "batching", "tree", "defaults"],
                   default="sweep")
   ap.add_argument("--write", action="store_true",
                   help="--suite cost: store the cost models in the checkpoints; --suite tree: the fastest tree shapes")
@@ -725,7 +761,7 @@ def main() -> int:
   elif args.suite == "round":
     result = {"rounds": [suite_round(pair, args.repeats, kind) for kind in args.drafters.split(",")]}
   elif args.suite == "cost":
-    result = suite_cost(pair, args.repeats, args.drafters.split(","), args.write)
+    result = suite_cost(pair, args.repeats, args.drafters.split(","), args.write, ints(args.batches))
   elif args.suite == "adaptive":
     kind = args.drafters.split(",")[0]
     result = suite_adaptive(*shipped_pair(pair, kind), kind, args.max_new_tokens, args.repeats, args.prompts)
@@ -734,6 +770,8 @@ def main() -> int:
   elif args.suite == "tree":
     result = suite_tree(pair, args.drafters.split(","), ints(args.draft_lens), ints(args.batches),
                         args.max_new_tokens, args.repeats, args.prompts, args.write)
+  elif args.suite == "defaults":
+    result = suite_defaults(pair, args.max_new_tokens, args.repeats, args.prompts)
   elif args.suite == "batching":
     result = suite_batching(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   else:
