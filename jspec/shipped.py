@@ -27,16 +27,17 @@ class Pair:
             "eagle": CHECKPOINTS / f"{self.name}-target-eagle"}
 
 
-# code-small: a 6.3M-parameter target, quick to compile and run (tests, smoke runs).
-PAIRS = {name: Pair(name) for name in ("code-small",)}
-DEFAULT = PAIRS["code-small"]
+# code: a 19.6M-parameter target, large enough that speculation pays; code-small: a 6.3M-parameter target,
+# quick to compile and run (tests, smoke runs).
+PAIRS = {name: Pair(name) for name in ("code", "code-small")}
+DEFAULT = PAIRS["code"]
 SMALL = PAIRS["code-small"]
 TARGET, DRAFTS = DEFAULT.target, DEFAULT.drafts
 DEFAULT_DRAFTER = "model"  # the best measured speedup on held-out code (BENCHMARKS.md)
 
 
 def resolve(target: str | pathlib.Path) -> pathlib.Path:
-  """A target directory, or a shipped pair's name (`code-small`) for its target."""
+  """A target directory, or a shipped pair's name (`code`, `code-small`) for its target."""
   return PAIRS[target].target if isinstance(target, str) and target in PAIRS else pathlib.Path(target)
 
 
