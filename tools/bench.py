@@ -376,6 +376,7 @@ def suite_cost(pair: shipped.Pair, repeats: int, kinds: list[str], write: bool, 
   (`suite_round`) costs beyond 1 + K (c + v). `write` stores them in the checkpoints (`cost_model.json`),
   where the API and CLI read them: batch 1's as the cost model, the others as its `batches`."""
   target = jspec.load(pair.target)
+  batches = sorted({1, *batches})  # batch 1's is the cost model itself
   v = {b: (verify_ratio(target, b, draft_len, repeats) - 1) / draft_len for b in batches}
   out = {}
   for kind in kinds:
@@ -388,9 +389,8 @@ def suite_cost(pair: shipped.Pair, repeats: int, kinds: list[str], write: bool, 
       out.setdefault(kind, {})[b] = {"cost_ratio": measured[b].cost_ratio, "verify_cost": measured[b].verify_cost,
                                      "round_overhead": measured[b].round_overhead, "round_in_ar_steps": round_cost}
       print(json.dumps({kind: {b: out[kind][b]}}), file=sys.stderr)
-    base = min(batches)
-    cost = dataclasses.replace(measured[base], target_params=num_params(target.config),
-                               batches=tuple((b, m) for b, m in measured.items() if b != base))
+    cost = dataclasses.replace(measured[1], target_params=num_params(target.config),
+                               batches=tuple((b, m) for b, m in measured.items() if b != 1))
     if write:
       where = pair.drafts.get(kind, pair.target)  # n-gram's cost model lives with the target
       models = checkpoint.read_cost_models(where)
@@ -595,11 +595,11 @@ def suite_defaults(pair: shipped.Pair, max_new: int, repeats: int, count: int) -
   out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
   for name, batch in (("code", 1), ("prose", 1), ("code", 4)):
     prompts = PROMPT_SETS[name](count)
-    rows = []
+    rows, last = [], {}
     for group in (prompts[i:i + batch] for i in range(0, len(prompts), batch)):
-      t = interleaved({"ar": lambda g=group: jspec.generate(target, g, **kw),
-                       "spec": lambda g=group: jspec.generate(target, g, draft=draft, **kw)}, repeats)
-      ar, spec = jspec.generate(target, group, **kw), jspec.generate(target, group, draft=draft, **kw)
+      run = lambda name, g=group, **extra: last.__setitem__(name, jspec.generate(target, g, **kw, **extra))
+      t = interleaved({"ar": lambda: run("ar"), "spec": lambda: run("spec", draft=draft)}, repeats)
+      ar, spec = last["ar"], last["spec"]
       rows.append({"prompts": len(group), "speedup": t["ar"] / t["spec"], "tau": spec.stats.mean_accepted_length,
                    "acceptance_rate": spec.stats.acceptance_rate, "plain_forwards": spec.stats.plain_forwards,
                    "draft_len_counts": spec.stats.draft_len_counts,
