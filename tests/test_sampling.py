@@ -148,10 +148,10 @@ def test_typical_acceptance_rule():
 
 
 def test_adaptive_speculation_with_fallback_keeps_the_exact_distribution(pair):
-  # A high threshold: a row whose first round rejects early falls back to plain steps for its second token,
-  # so both plain and speculative tokens are in the sample.
+  # A high threshold and a window of one round: a row whose first round rejects early falls back to plain
+  # steps for its second token, so both plain and speculative tokens are in the sample.
   target, draft = pair
-  spec = SpecConfig(adaptive=AdaptiveConfig(fallback_threshold=0.9, probe_interval=1))
+  spec = SpecConfig(adaptive=AdaptiveConfig(fallback_threshold=0.9, probe_interval=1, window=1))
   tv, bound, stats = _empirical_tv(target, PROMPT, (1.0, 0, 1.0), draft=draft, draft_len=3, spec=spec)
   assert tv < bound, (tv, bound)
   assert stats.fallback_rounds > 0 and stats.draft_len_counts.get(3, 0) > 0
