@@ -585,30 +585,35 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   return out
 
 
-def suite_defaults(pair: shipped.Pair, max_new: int, repeats: int, count: int) -> dict:
+def suite_defaults(pair: shipped.Pair, max_new: int, repeats: int, count: int,
+                   draft_lens: tuple[int, ...] = ()) -> dict:
   """What a user gets: `jspec.generate` with every default (the default drafter and its shipped weights,
   adaptive speculation with the checkpoint's cost model), greedy, against plain decoding, interleaved per
   batch of prompts: each held-out code and English prose prompt alone, and held-out code in batches of 4.
-  Every row decodes `max_new` tokens (EOS ignored), so both sides do the same work."""
+  Every row decodes `max_new` tokens (EOS ignored), so both sides do the same work. Each of `draft_lens`
+  is also timed as the longest draft in the same interleaving (what another default `draft_len` would give)."""
   target, draft = shipped_pair(pair, shipped.DEFAULT_DRAFTER)
   kw = dict(max_new_tokens=max_new, ignore_eos=True)
+  variants = {"spec": dict(draft=draft), **{f"spec_k{k}": dict(draft=draft, draft_len=k) for k in draft_lens}}
   out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
   for name, batch in (("code", 1), ("prose", 1), ("code", 4)):
     prompts = PROMPT_SETS[name](count)
     rows, last = [], {}
     for group in (prompts[i:i + batch] for i in range(0, len(prompts), batch)):
       run = lambda name, g=group, **extra: last.__setitem__(name, jspec.generate(target, g, **kw, **extra))
-      t = interleaved({"ar": lambda: run("ar"), "spec": lambda: run("spec", draft=draft)}, repeats)
+      fns = {"ar": lambda: run("ar"), **{v: lambda v=v: run(v, **variants[v]) for v in variants}}
+      t = interleaved(fns, repeats)
       ar, spec = last["ar"], last["spec"]
       rows.append({"prompts": len(group), "speedup": t["ar"] / t["spec"], "tau": spec.stats.mean_accepted_length,
                    "acceptance_rate": spec.stats.acceptance_rate, "plain_forwards": spec.stats.plain_forwards,
                    "draft_len_counts": spec.stats.draft_len_counts,
-                   "greedy_identical": spec.token_ids == ar.token_ids})
+                   "greedy_identical": all(last[v].token_ids == ar.token_ids for v in variants),
+                   **{f"speedup_k{k}": t["ar"] / t[f"spec_k{k}"] for k in draft_lens}})
       print(json.dumps({"set": name, "batch": batch, **rows[-1]}), file=sys.stderr)
-    speedups = [r["speedup"] for r in rows]
-    out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows,
-                                           "median_speedup": statistics.median(speedups), "min_speedup": min(speedups),
-                                           "max_speedup": max(speedups)}
+    summary = lambda key: {f"median_{key}": statistics.median(r[key] for r in rows),
+                           f"min_{key}": min(r[key] for r in rows), f"max_{key}": max(r[key] for r in rows)}
+    out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows, **summary("speedup"),
+                                           **{k: v for d in draft_lens for k, v in summary(f"speedup_k{d}").items()}}
   return out
 
 
@@ -678,10 +683,11 @@ def suite_batching(pair: shipped.Pair, kind: str, max_new: int, repeats: int, co
 def suite_tree(pair: shipped.Pair, kinds: list[str], chain_lens: list[int], batches: list[int], max_new: int,
                repeats: int, prompts_per_set: int, write: bool, depth: int = 4,
                shapes: tuple[tuple[int, int], ...] = ((2, 8), (4, 16), (4, 32))) -> dict:
-  """Draft trees of depth `depth` against chains of `chain_lens` tokens, per drafter, greedy, held-out code:
-  each cell against AR in the same process (see `cell`); and the verify cost curve (a target forward of N
-  tokens over one of 1, batch 1, 200 tokens in the cache). `write` stores each drafter's fastest tree
-  shape at the smallest batch in its checkpoint's cost model, the shape `--tree` then defaults to."""
+  """Draft trees of depth `depth` and shapes (top-k, nodes) against chains of `chain_lens` tokens, per
+  drafter, greedy, held-out code: each cell against AR in the same process (see `cell`); and the verify
+  cost curve (a target forward of N tokens over one of 1, batch 1, 200 tokens in the cache). `write`
+  stores each drafter's fastest tree shape at the smallest batch in its checkpoint's cost model, the shape
+  `--tree` then defaults to."""
   target = jspec.load(pair.target)
   prompts = heldout_prompts(prompts_per_set)
   out = {"depth": depth, "max_new_tokens": max_new, "prompts": len(prompts), "verify_cost": {}, "cells": []}
@@ -735,6 +741,10 @@ def main() -> int:
   ap.add_argument("--temperatures", default="0,0.7,1.0")
   ap.add_argument("--batches", default="1,4,8")
   ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
+  ap.add_argument("--also-draft-lens", default="",
+                  help="--suite defaults: also time these longest drafts (other defaults for --draft-len)")
+  ap.add_argument("--tree-depth", type=int, default=4, help="--suite tree: the trees' depth")
+  ap.add_argument("--tree-shapes", default="2x8,4x16,4x32", help="--suite tree: top-k x nodes of each tree")
   ap.add_argument("--prompt-sets", default="code",
                   help="comma-separated: code (held-out completions), edit (context editing), prose (English)")
   ap.add_argument("--with-hf", action="store_true",
@@ -769,9 +779,11 @@ def main() -> int:
     result = suite_stream(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   elif args.suite == "tree":
     result = suite_tree(pair, args.drafters.split(","), ints(args.draft_lens), ints(args.batches),
-                        args.max_new_tokens, args.repeats, args.prompts, args.write)
+                        args.max_new_tokens, args.repeats, args.prompts, args.write, args.tree_depth,
+                        tuple(tuple(ints(shape.replace("x", ","))) for shape in args.tree_shapes.split(",")))
   elif args.suite == "defaults":
-    result = suite_defaults(pair, args.max_new_tokens, args.repeats, args.prompts)
+    result = suite_defaults(pair, args.max_new_tokens, args.repeats, args.prompts,
+                            tuple(ints(args.also_draft_lens)) if args.also_draft_lens else ())
   elif args.suite == "batching":
     result = suite_batching(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   else:
