@@ -109,20 +109,23 @@ def pair():
   return target, testing.perturbed(target, 0.5)
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.95])
-def test_adaptive_greedy_equals_plain_decoding(pair, threshold):
+@pytest.mark.parametrize("drafter,threshold", [("model", 0.95), ("ngram", 0.0)])
+def test_adaptive_greedy_equals_plain_decoding(pair, drafter, threshold):
+  """With fallback and probes (a threshold few rounds reach), and with speculation that never falls back."""
   target, draft = pair
   prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 3], [0, 0]]
   ar = jspec.generate(target, prompts, max_new_tokens=40)
-  for drafter, d in [("model", draft), ("ngram", None)]:
-    spec = SpecConfig(drafter=drafter, adaptive=AdaptiveConfig(fallback_threshold=threshold, probe_interval=3))
-    r = jspec.generate(target, prompts, draft=d, spec=spec, max_new_tokens=40, draft_len=4)
-    assert r.token_ids == ar.token_ids, drafter
-    counts = r.stats.draft_len_counts
-    assert sum(counts.values()) == r.stats.target_forwards
-    if threshold == 0.95 and drafter == "model":
-      assert r.stats.fallback_rounds > 0 and r.stats.probe_rounds > 0
-      assert counts.get(0, 0) == r.stats.fallback_rounds
+  spec = SpecConfig(drafter=drafter, adaptive=AdaptiveConfig(fallback_threshold=threshold, probe_interval=3))
+  r = jspec.generate(target, prompts, draft=draft if drafter == "model" else None, spec=spec, max_new_tokens=40,
+                     draft_len=4)
+  assert r.token_ids == ar.token_ids
+  counts = r.stats.draft_len_counts
+  assert sum(counts.values()) == r.stats.target_forwards
+  if threshold > 0:
+    assert r.stats.fallback_rounds > 0 and r.stats.probe_rounds > 0
+    assert counts.get(0, 0) == r.stats.fallback_rounds
+  else:
+    assert r.stats.fallback_rounds == 0
 
 
 def test_no_retrace_as_k_changes_at_run_time(pair):

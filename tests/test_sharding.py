@@ -12,7 +12,8 @@ WORKER = pathlib.Path(__file__).resolve().parent / "mesh_worker.py"
 
 
 def _env(devices: int) -> dict:
-  return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  return {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture(scope="module")
