@@ -6,9 +6,10 @@ rejection is a test too; nothing after it is), so the rate estimates alpha, the 
 is accepted, whatever K was. We also carry, per draft position i, r_i, the chance that proposal i is
 accepted given that it was tested: acceptance is correlated (easy stretches accept long runs), so r_i grows
 with i, and Leviathan's i.i.d. alpha^i underestimates what long drafts gain. r_i is an EWMA over rounds
-shrunk toward alpha by a prior worth a fifth of one round; every round ages every position, so a position
-that short drafts stop testing drifts back to alpha instead of keeping one unlucky early estimate forever
-(which would pin K low).
+shrunk toward alpha by a prior worth one round, so a single early rejection moves a position's rate only
+halfway to 0: K would otherwise fall below that position, stop testing it, and stay low for as long as
+the one estimate outweighs the prior (every round ages every position). A position tested every round
+outweighs the prior ten to one.
 The batch shares one target forward, so the policy is per batch:
 
 - K: the one that maximizes the mean over active rows of the expected speedup
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from jspec.settings import AdaptiveConfig
 
 EWMA_WEIGHT = 0.1  # weight of the newest round, as in the seed's scheduler
-PRIOR_WEIGHT = 0.02  # how much alpha counts in each per-position rate (one round counts 0.1)
+PRIOR_WEIGHT = 0.1  # how much alpha counts in each per-position rate (one round counts 0.1)
 
 
 @flax.struct.dataclass

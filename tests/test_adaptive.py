@@ -38,10 +38,15 @@ def test_draft_len_follows_the_expected_speedup():
   assert choose(adaptive.Acceptance.zeros(1, 4, 8)) == (POLICY.initial_draft_len, False)  # no data yet
   ks = {a: choose(stats_with([([a], 8)] * 20))[0] for a in (8, 6, 3, 2)}
   assert ks == {8: 8, 6: 6, 3: 3, 2: 2}  # every round accepted a: position a+1 always fails
-  # Rounds that accept 6 or 2 in turn: r = 1, 1, ~1/2, 1, 1, 1, 0 (EWMAs); position 8, never tested, is alpha.
+  # Rounds that accept 6 or 2 in turn: r = 1, 1, ~1/2, 1, 1, 1, 0 (EWMAs), each shrunk a little toward
+  # alpha by the prior; position 8, never tested, is alpha.
   mixed = stats_with([([6], 8), ([2], 8)] * 30)
   rates = np.asarray(mixed.position_rates(mixed.ewma_rate)[0])
-  np.testing.assert_allclose(rates, [1, 1, 0.5, 1, 1, 1, 0, mixed.ewma_rate[0]], atol=0.05)
+  alpha = float(mixed.ewma_rate[0])
+  observed = np.asarray([1, 1, 0.5, 1, 1, 1, 0])
+  np.testing.assert_allclose(np.asarray(mixed.ewma_hit_BxK / mixed.ewma_tested_BxK)[0, :7], observed, atol=0.05)
+  assert np.all(np.abs(rates[:7] - observed) < 0.15) and np.all(np.abs(rates[:7] - alpha) <= np.abs(observed - alpha))
+  assert rates[7] == pytest.approx(alpha)
   tokens = 1 + np.cumsum(np.cumprod(rates))
   for policy in (POLICY, dataclasses.replace(POLICY, verify_cost=0.3)):  # the choice maximizes the formula
     gains = tokens / (1 + policy.round_overhead + np.arange(1, 9) * (policy.cost_ratio + policy.verify_cost))
@@ -58,13 +63,23 @@ def test_draft_len_follows_the_expected_speedup():
                              [(1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) for k in range(1, 6)], rtol=1e-5)
 
 
+def test_one_early_rejection_does_not_pin_the_draft_short():
+  # The first round accepted 1 of 4: position 2 has one test, a rejection, which moves its rate only
+  # halfway to 0, so with the shipped pair's costs the next round still drafts past it.
+  acc = stats_with([([1], 4)])
+  alpha = float(acc.ewma_rate[0])
+  assert float(acc.position_rates(acc.ewma_rate)[0, 1]) == pytest.approx(alpha / 2)
+  shipped_costs = dataclasses.replace(POLICY, cost_ratio=0.08, verify_cost=0.025, round_overhead=0.28)
+  assert choose(acc, policy=shipped_costs)[0] >= 2
+
+
 def test_an_untested_position_drifts_back_to_alpha():
   # Early rounds rejected position 2; then only K = 1 rounds, all accepted, test position 1. Position 2's
-  # old zero fades toward alpha, so longer drafts get tried again instead of K staying pinned at 1.
+  # low rate fades toward alpha, so longer drafts get tried again instead of K staying pinned at 1.
   acc = stats_with([([1], 4)] * 3)
   r2 = lambda a: float(a.position_rates(a.ewma_rate)[0, 1])
   early = r2(acc)
-  assert early < 0.1
+  assert early < 0.3 * float(acc.ewma_rate[0])
   acc = stats_with([([1], 4)] * 3 + [([1], 1)] * 40)
   assert r2(acc) > 0.8 * float(acc.ewma_rate[0]) > early
 

@@ -42,8 +42,8 @@ def main() -> int:
   target = jspec.load(shipped.TARGET)
   draft = jspec.load(shipped.DRAFTS[args.drafter]) if args.drafter in shipped.DRAFTS else None
   # The drafter's measured cost model comes from its checkpoint.
-  spec = SpecConfig(args.draft_len, drafter=args.drafter, trace_rounds=args.max_new_tokens,
-                    adaptive=AdaptiveConfig(probe_interval=args.probe_interval))
+  policy = AdaptiveConfig(probe_interval=args.probe_interval)
+  spec = SpecConfig(args.draft_len, drafter=args.drafter, trace_rounds=args.max_new_tokens, adaptive=policy)
   r = jspec.generate(target, [args.prompt], draft=draft, spec=spec, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
   trace = r.stats.trace
@@ -60,7 +60,7 @@ def main() -> int:
   ax_k.legend(loc="upper right")
   ax_a.plot(x, [row["acceptance_window"] for row in trace], label="window (fallback rule)")
   ax_a.plot(x, [row["acceptance_ewma"] for row in trace], label="EWMA (choice of K)")
-  ax_a.axhline(0.4, color="gray", linestyle="--", linewidth=1, label="fallback threshold")
+  ax_a.axhline(policy.fallback_threshold, color="gray", linestyle="--", linewidth=1, label="fallback threshold")
   ax_a.set_ylabel("per-token acceptance")
   ax_a.set_xlabel("tokens generated")
   ax_a.legend(loc="upper right")
