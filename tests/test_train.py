@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import data, tokenizer, train
+from jspec import continuations, data, tokenizer, train
 
 TINY_MODEL = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "mlp_dim": 64,
               "max_seq_len": 256}
@@ -104,4 +104,32 @@ def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tiny_target, 
   target, heads = jspec.load(tmp_path / "target"), jspec.load(tmp_path / kind)
   assert heads.drafter.kind == kind
   r = jspec.generate(target, ["def f("], draft=heads, max_new_tokens=12, draft_len=3)
+  assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
+
+
+def test_continuations_are_the_targets_text_and_a_draft_distills_on_them(tiny_target):
+  root = tiny_target
+  out = root / "continuations"
+  assert continuations.main(["--target", str(root / "target"), "--data", str(root / "data"), "--out", str(out),
+                             "--sequences", "3", "--prompt-len", "8", "--new-tokens", "6",
+                             "--temperatures", "0,1", "--batch", "2"]) == 0
+  # Each window, the target's continuation (row r of a temperature's windows samples with its seed + r,
+  # as when decoded alone) without EOS, then one EOS.
+  target = jspec.load(root / "target")
+  eos = target.config.stop_ids[0]
+  source = np.load(data.shard_path(root / "data", "train"))
+  expected = []
+  for i, temperature in enumerate((0.0, 1.0)):
+    for r, window in enumerate(continuations.prompt_windows(source, 3, 8, seed=i)):
+      result = jspec.generate(target, [window], max_new_tokens=6, temperature=temperature, seed=3 * i + r)
+      expected += window + [t for t in result.token_ids[0] if t != eos] + [eos]
+  assert np.load(data.shard_path(out, "train")).tolist() == expected
+  assert (out / "tokenizer.json").read_bytes() == (root / "data" / "tokenizer.json").read_bytes()
+  np.testing.assert_array_equal(np.load(data.shard_path(out, "validation")),
+                                np.load(data.shard_path(root / "data", "validation")))
+
+  draft_cfg = _config(root, "draft-continued", 10, teacher=str(root / "target"), ce_weight=0.1, data=str(out))
+  assert train.main(["--config", str(draft_cfg)]) == 0
+  draft = jspec.load(root / "draft-continued")
+  r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, draft_len=3)
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
