@@ -33,7 +33,7 @@ PAIRS = {name: Pair(name) for name in ("code", "code-small")}
 DEFAULT = PAIRS["code"]
 SMALL = PAIRS["code-small"]
 TARGET, DRAFTS = DEFAULT.target, DEFAULT.drafts
-DEFAULT_DRAFTER = "model"  # the best measured speedup on held-out code (BENCHMARKS.md)
+DEFAULT_DRAFTER = "eagle"  # the steadiest measured speedup (BENCHMARKS.md, "The default pair")
 
 
 def resolve(target: str | pathlib.Path) -> pathlib.Path:

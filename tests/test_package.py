@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jspec
+from jspec import shipped
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "jspec"
@@ -128,7 +129,7 @@ def test_an_installed_wheel_finds_the_shipped_models_and_reuses_compiled_program
   first = run(*command, "--json")
   assert first.returncode == 0, first.stderr
   out = json.loads(first.stdout)
-  assert out["stats"]["drafter"] == "model" and len(out["outputs"][0]["token_ids"]) == 8
+  assert out["stats"]["drafter"] == shipped.DEFAULT_DRAFTER and len(out["outputs"][0]["token_ids"]) == 8
   second = run(*command)
   assert second.returncode == 0, second.stderr
   assert "loading the target" in second.stderr and "loaded the decode program" in second.stderr, second.stderr

@@ -586,15 +586,20 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
 
 
 def suite_defaults(pair: shipped.Pair, max_new: int, repeats: int, count: int,
-                   draft_lens: tuple[int, ...] = ()) -> dict:
+                   draft_lens: tuple[int, ...] = (), other_drafters: tuple[str, ...] = ()) -> dict:
   """What a user gets: `jspec.generate` with every default (the default drafter and its shipped weights,
   adaptive speculation with the checkpoint's cost model), greedy, against plain decoding, interleaved per
   batch of prompts: each held-out code and English prose prompt alone, and held-out code in batches of 4.
   Every row decodes `max_new` tokens (EOS ignored), so both sides do the same work. Each of `draft_lens`
-  is also timed as the longest draft in the same interleaving (what another default `draft_len` would give)."""
+  is also timed as the longest draft in the same interleaving (what another default `draft_len` would give),
+  and each of `other_drafters` with its shipped weights and otherwise default settings (another default
+  drafter)."""
   target, draft = shipped_pair(pair, shipped.DEFAULT_DRAFTER)
   kw = dict(max_new_tokens=max_new, ignore_eos=True)
-  variants = {"spec": dict(draft=draft), **{f"spec_k{k}": dict(draft=draft, draft_len=k) for k in draft_lens}}
+  variants = {"spec": dict(draft=draft), **{f"spec_k{k}": dict(draft=draft, draft_len=k) for k in draft_lens},
+              **{f"spec_{kind}": dict(draft=shipped_pair(pair, kind)[1], spec=SpecConfig(drafter=kind))
+                 for kind in other_drafters}}
+  others = [f"k{k}" for k in draft_lens] + list(other_drafters)
   out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
   for name, batch in (("code", 1), ("prose", 1), ("code", 4)):
     prompts = PROMPT_SETS[name](count)
@@ -608,12 +613,13 @@ def suite_defaults(pair: shipped.Pair, max_new: int, repeats: int, count: int,
                    "acceptance_rate": spec.stats.acceptance_rate, "plain_forwards": spec.stats.plain_forwards,
                    "draft_len_counts": spec.stats.draft_len_counts,
                    "greedy_identical": all(last[v].token_ids == ar.token_ids for v in variants),
-                   **{f"speedup_k{k}": t["ar"] / t[f"spec_k{k}"] for k in draft_lens}})
+                   **{f"speedup_{x}": t["ar"] / t[f"spec_{x}"] for x in others},
+                   **{f"tau_{kind}": last[f"spec_{kind}"].stats.mean_accepted_length for kind in other_drafters}})
       print(json.dumps({"set": name, "batch": batch, **rows[-1]}), file=sys.stderr)
     summary = lambda key: {f"median_{key}": statistics.median(r[key] for r in rows),
                            f"min_{key}": min(r[key] for r in rows), f"max_{key}": max(r[key] for r in rows)}
     out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows, **summary("speedup"),
-                                           **{k: v for d in draft_lens for k, v in summary(f"speedup_k{d}").items()}}
+                                           **{k: v for x in others for k, v in summary(f"speedup_{x}").items()}}
   return out
 
 
@@ -743,6 +749,8 @@ def main() -> int:
   ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
   ap.add_argument("--also-draft-lens", default="",
                   help="--suite defaults: also time these longest drafts (other defaults for --draft-len)")
+  ap.add_argument("--also-drafters", default="",
+                  help="--suite defaults: also time these drafters with their shipped weights (other defaults)")
   ap.add_argument("--tree-depth", type=int, default=4, help="--suite tree: the trees' depth")
   ap.add_argument("--tree-shapes", default="2x8,4x16,4x32", help="--suite tree: top-k x nodes of each tree")
   ap.add_argument("--prompt-sets", default="code",
@@ -783,7 +791,8 @@ def main() -> int:
                         tuple(tuple(ints(shape.replace("x", ","))) for shape in args.tree_shapes.split(",")))
   elif args.suite == "defaults":
     result = suite_defaults(pair, args.max_new_tokens, args.repeats, args.prompts,
-                            tuple(ints(args.also_draft_lens)) if args.also_draft_lens else ())
+                            tuple(ints(args.also_draft_lens)) if args.also_draft_lens else (),
+                            tuple(args.also_drafters.split(",")) if args.also_drafters else ())
   elif args.suite == "batching":
     result = suite_batching(pair, args.drafters.split(",")[0], args.max_new_tokens, args.repeats, args.prompts)
   else:
