@@ -3,8 +3,8 @@
 A model directory holds `config.json`, orbax `params/` and `tokenizer.json`; a heads directory (Medusa or
 EAGLE) holds `drafter.json` (kind and shape) and `params/`, and borrows the target's embedding, LM head and
 tokenizer. Either may hold `cost_model.json`: the cost models measured with it, by drafter kind
-(`jspec.settings.CostModel`, with the fastest measured tree shape; written by `tools/bench.py --suite cost
---write` and `--suite tree --write`).
+(`jspec.settings.CostModel`, with the fastest measured tree shape; written by `python -m jspec.bench
+--suite cost --write` and `--suite tree --write`).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jspec import model, sharding
+from jspec import model, registry, sharding
 from jspec.config import ModelConfig, default_dtype
-from jspec.drafters import EagleDrafter, Heads, MedusaDrafter
+from jspec.drafters import Heads
 from jspec.model import Model
 from jspec.settings import CostModel
 from jspec.tokenizer import load_chat_template, load_tokenizer, save_chat_template
@@ -58,9 +58,7 @@ def save(m: Model, path: str | pathlib.Path, storage_dtype: str | None = None) -
 def save_heads(heads: Heads, path: str | pathlib.Path, storage_dtype: str | None = None) -> None:
   path = _make_dir(path)
   d = heads.drafter
-  meta = {"kind": d.kind, "config": json.loads(d.config.to_json())}
-  if d.kind == "medusa":
-    meta["num_heads"] = d.num_heads
+  meta = {"kind": d.kind, "config": json.loads(d.config.to_json()), **d.metadata()}
   (path / HEADS_FILE).write_text(json.dumps(meta, indent=2) + "\n")
   _save_params(heads.params, path, storage_dtype)
   write_cost_models(path, heads.cost_models)
@@ -80,12 +78,13 @@ def load_heads(path: str | pathlib.Path, dtype: str | None = None, mesh=None) ->
   path = pathlib.Path(path).absolute()
   meta = read_json(path / HEADS_FILE)
   config = _parse_config(meta.get("config", {}), dtype, path / HEADS_FILE)
-  if meta.get("kind") == "medusa":
-    drafter = MedusaDrafter(config, int(meta["num_heads"]))
-  elif meta.get("kind") == "eagle":
-    drafter = EagleDrafter(config)
-  else:
-    raise ValueError(f"{path / HEADS_FILE}: unknown drafter kind {meta.get('kind')!r}")
+  kind = meta.get("kind")
+  if kind not in registry.DRAFTERS:
+    raise ValueError(f"{path / HEADS_FILE}: unknown drafter kind {kind!r}")
+  try:
+    drafter = registry.drafter_class(kind).from_metadata(config, meta)
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{path / HEADS_FILE}: invalid {kind} heads ({one_line(e)})") from None
   params = _restore_params(path, lambda: drafter.init_params(jax.random.PRNGKey(0)), config, mesh)
   return Heads(drafter, params, read_cost_models(path))
 

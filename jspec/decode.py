@@ -25,13 +25,15 @@ from jspec import adaptive, model, tree
 from jspec import cache as kvcache
 from jspec.config import ModelConfig
 from jspec.control import run_if, run_switch
-from jspec.drafters.base import Drafter, DrafterState, Proposal, TreeProposal
+from jspec.drafters.base import DraftContext, Drafter, DrafterState, DraftWeights, Proposal, TreeProposal
+from jspec.request import Requests, stop_table
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
 from jspec.settings import AdaptiveConfig, SpecConfig
 from jspec.stats import DecodeStats
 from jspec.verify import verify, verify_greedy, verify_typical
 
-# How many times the loop was traced; tests assert this does not grow across requests of one bucket.
+# A debugging counter: how many times `run` was traced in this process, by kind of loop. A count that grows
+# across requests of one shape means they recompile (the tests assert it does not).
 trace_counts: collections.Counter = collections.Counter()
 
 
@@ -39,12 +41,14 @@ trace_counts: collections.Counter = collections.Counter()
 class Decoder:
   """What the loop runs: the weights (pytree leaves) and the program (static fields, hashable: part of the
   compiled shape). Plain decoding when `drafter` is None; otherwise `spec` has the adaptive policy's cost
-  model set (`AdaptiveConfig.with_costs`)."""
+  model set (`AdaptiveConfig.with_costs`). `jspec.pairing.make_decoder` builds one; on a mesh, `layout`
+  says how the caches are laid out (`jspec.sharding.place_decoder`)."""
   target_params: model.Params
   drafter_params: Any = None
   target_config: ModelConfig = flax.struct.field(pytree_node=False, default=None)
   drafter: Drafter | None = flax.struct.field(pytree_node=False, default=None)
   spec: SpecConfig | None = flax.struct.field(pytree_node=False, default=None)
+  layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.sharding.Layout on a mesh
 
   @property
   def adaptive(self) -> AdaptiveConfig | None:
@@ -56,6 +60,10 @@ class Decoder:
     return self.spec.draft_len if self.drafter is not None else 1
 
   @property
+  def weights(self) -> DraftWeights:
+    return DraftWeights(self.drafter_params, self.target_params)
+
+  @property
   def headroom(self) -> int:
     """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
     if self.drafter is None:
@@ -63,18 +71,13 @@ class Decoder:
     shape = self.spec.tree
     # A tree's verify writes its nodes; a growing drafter writes top_k entries per level but the last.
     written = self.spec.draft_len if shape is None else max(shape.nodes, shape.top_k * (self.spec.draft_len - 1))
-    return max(written, getattr(self.drafter, "max_lag", 0))
+    return max(written, self.drafter.max_lag)
 
-
-@flax.struct.dataclass
-class Requests:
-  """A batch's inputs, one row each; arrays, so new values never recompile."""
-  prompts_BxP: jax.Array  # int32, right-padded
-  prompt_lens_B: jax.Array  # int32
-  max_new_tokens_B: jax.Array  # int32
-  sampling: SamplingParams
-  seeds_B: jax.Array  # uint32: row b's PRNG seed
-  stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (see `stop_ids`)
+  @property
+  def context_len(self) -> int:
+    """The longest text a row may hold: the target's context, or the drafter's if shorter."""
+    limit = None if self.drafter is None else self.drafter.context_len
+    return min(self.target_config.max_seq_len, limit or self.target_config.max_seq_len)
 
 
 @flax.struct.dataclass
@@ -90,29 +93,31 @@ class DecodeState:
   drafter_state: DrafterState
   stats: DecodeStats
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (none: no EOS, or EOS ignored)
-  layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.sharding.Layout on a mesh
 
   @property
   def num_emitted(self) -> jax.Array:
     return self.seq_lens - self.prompt_lens
 
+  @property
+  def context(self) -> DraftContext:
+    """What a drafter reads of the rows."""
+    return DraftContext(self.tokens, self.seq_lens, self.sampling)
 
-def stop_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False) -> jax.Array:
-  """`Requests.stop_BxE`: every row stops at each of the target's EOS tokens; with `ignore_eos`, or a target
-  without EOS, at none (a row of -1)."""
-  ids = () if ignore_eos else target_config.stop_ids
-  return jnp.broadcast_to(jnp.asarray(ids or (-1,), jnp.int32), (batch, max(len(ids), 1)))
+
+# Aliases of one release for names that moved to `jspec.request`.
+stop_ids = lambda target_config, batch, ignore_eos=False: stop_table(() if ignore_eos else target_config.stop_ids,
+                                                                     batch)
 
 
 def required_capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
-  """Slots a request needs: the padded prompt, every new token, and `headroom` + 1 more for the widest
-  chunk a round writes past the text (`Decoder.headroom`)."""
+  """Slots a request needs before rounding; `jspec.request.capacity` rounds it to a bucket."""
   return prompt_width + max_new_tokens + headroom + 1
 
 
-def init_state(decoder: Decoder, requests: Requests, capacity: int) -> DecodeState:
-  """A state holding the right-padded prompts and empty caches of `capacity` slots (`required_capacity`,
-  rounded by `jspec.cache.round_capacity`)."""
+def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None) -> DecodeState:
+  """A state holding the right-padded prompts and empty caches of `capacity` slots (default: the requests'
+  own, `Requests.capacity`)."""
+  capacity = _capacity(requests, capacity)
   batch, prompt_width = requests.prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(requests.prompts_BxP)
   drafter, spec = decoder.drafter, decoder.spec
@@ -135,19 +140,26 @@ def init_state(decoder: Decoder, requests: Requests, capacity: int) -> DecodeSta
                        drafter_state=jax.tree.map(with_len, state.drafter_state, is_leaf=is_cache))
 
 
-def start(decoder: Decoder, requests: Requests, capacity: int, layout: Any = None) -> DecodeState:
-  """The state after both prefills, ready for `run` or `step`. With a `jspec.sharding.Layout`, the caches
-  are sharded by its rules."""
+def _capacity(requests: Requests, capacity: int | None) -> int:
+  capacity = capacity or requests.capacity
+  if capacity is None:
+    raise ValueError("no capacity: build the requests with jspec.request.make_requests, or pass capacity")
+  return capacity
+
+
+def start(decoder: Decoder, requests: Requests, capacity: int | None = None) -> DecodeState:
+  """The state after both prefills, ready for `run` or `step`, with caches of `capacity` slots (default:
+  `requests.capacity`), laid out by `decoder.layout` on a mesh."""
   state = init_state(decoder, requests, capacity)
-  if layout is not None:
-    state = layout.constrain_caches(state)
+  if decoder.layout is not None:
+    state = decoder.layout.constrain_caches(state)
   prompts_BxP, lens_B = requests.prompts_BxP, requests.prompt_lens_B
   hidden_BxPxD, target_cache = model.prefill(decoder.target_params, decoder.target_config, state.target_cache,
                                              prompts_BxP, lens_B)
   state = state.replace(target_cache=target_cache.rewind(lens_B - 1))  # the last prompt token is pending
   if decoder.drafter is not None:
-    state = state.replace(drafter_state=decoder.drafter.prefill(
-        decoder.drafter_params, decoder.target_params, state.drafter_state, prompts_BxP, lens_B, hidden_BxPxD))
+    state = state.replace(drafter_state=decoder.drafter.prefill(decoder.weights, state.drafter_state, prompts_BxP,
+                                                                lens_B, hidden_BxPxD))
   return state
 
 
@@ -200,9 +212,8 @@ def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> D
 def _observe(decoder: Decoder, state: DecodeState, hidden_BxSxD: jax.Array, n_B: jax.Array) -> DecodeState:
   """Tells the drafter what the target saw in a forward that started at lengths n_B."""
   with jax.named_scope("drafter"):  # names the drafter's ops in the HLO (tests count its collectives)
-    return state.replace(drafter_state=decoder.drafter.observe(
-        decoder.drafter_params, decoder.target_params, state.drafter_state, state.tokens, hidden_BxSxD, n_B,
-        state.seq_lens))
+    return state.replace(drafter_state=decoder.drafter.observe(decoder.weights, state.drafter_state, state.context,
+                                                               hidden_BxSxD, n_B))
 
 
 def autoregressive_step(decoder: Decoder, state: DecodeState) -> DecodeState:
@@ -215,6 +226,23 @@ def plain_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> Dec
   """A target step inside the speculative loop: no proposals; the drafter still sees the target."""
   state = _target_step(decoder, state, keys_Bx2)
   return state.replace(stats=state.stats.count_plain())
+
+
+def _accept(decoder: Decoder, state: DecodeState, drafts_BxL: jax.Array, n_accepted_B: jax.Array,
+            token_B: jax.Array, counted_B: jax.Array, target_cache: kvcache.KVCache, hidden_BxL1xD: jax.Array,
+            n_B: jax.Array) -> DecodeState:
+  """The end of every verify, chain or tree: commits each row's first `n_accepted` drafts and the token
+  after them, counts the round (rows in `counted` as verified), rewinds the target's cache (whose first
+  L1 entries past n-1 hold the pending token and the drafts) to the new text, and tells the drafter what
+  the target saw at those entries."""
+  depth = drafts_BxL.shape[1]
+  candidates_BxL1 = jnp.concatenate([drafts_BxL, token_B[:, None]], axis=1)
+  candidates_BxL1 = jnp.where(jnp.arange(depth + 1) == n_accepted_B[:, None], token_B[:, None], candidates_BxL1)
+  active = ~state.done
+  state, num_new = _commit(state, candidates_BxL1, n_accepted_B + 1)
+  stats = state.stats.count_forward(active, num_new).count_verify(active & counted_B, n_accepted_B, depth)
+  state = state.replace(target_cache=target_cache.rewind(state.seq_lens - 1), stats=stats)
+  return _observe(decoder, state, hidden_BxL1xD, n_B)
 
 
 def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_Bx2: jax.Array) -> DecodeState:
@@ -240,14 +268,7 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
     # tokens do not depend on whether another row's proposal turned this round into a verify.
     n_accepted = jnp.where(has_draft, n_accepted, 0)
     token = jnp.where(has_draft, token, next_token(keys_Bx2, logits_BxK1xV[:, 0], state.sampling))
-
-  candidates_BxK1 = jnp.concatenate([draft_BxK, token[:, None]], axis=1)
-  candidates_BxK1 = jnp.where(jnp.arange(draft_len + 1) == n_accepted[:, None], token[:, None], candidates_BxK1)
-  active = ~state.done
-  state, num_new = _commit(state, candidates_BxK1, n_accepted + 1)
-  stats = state.stats.count_forward(active, num_new).count_verify(active & has_draft, n_accepted, draft_len)
-  state = state.replace(target_cache=target_cache.rewind(state.seq_lens - 1), stats=stats)
-  return _observe(decoder, state, hidden, n)
+  return _accept(decoder, state, draft_BxK, n_accepted, token, has_draft, target_cache, hidden, n)
 
 
 def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposal,
@@ -267,24 +288,18 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
       lambda: tree.verify_greedy(proposal.tokens_BxM, proposal.parents_BxM, logits_BxM1xV, depth, width),
       lambda: tree.verify(keys_Bx2, proposal.tokens_BxM, proposal.parents_BxM,
                           probabilities(logits_BxM1xV, state.sampling), q_BxM1xV, depth, width, proposal.rule))
-  accepted_BxL = _gather(chunk_BxM1, path_BxL1[:, 1:])
-  candidates_BxL1 = jnp.concatenate([accepted_BxL, token[:, None]], axis=1)
-  candidates_BxL1 = jnp.where(jnp.arange(depth + 1) == n_accepted[:, None], token[:, None], candidates_BxL1)
-  active = ~state.done
-  state, num_new = _commit(state, candidates_BxL1, n_accepted + 1)
-  stats = state.stats.count_forward(active, num_new).count_verify(active, n_accepted, depth)
-  target_cache = tree.compact(target_cache, n - 1, path_BxL1).rewind(state.seq_lens - 1)
-  state = state.replace(target_cache=target_cache, stats=stats)
-  return _observe(decoder, state, jnp.take_along_axis(hidden, path_BxL1[:, :, None], axis=1), n)
+  target_cache = tree.compact(target_cache, n - 1, path_BxL1)
+  hidden_BxL1xD = jnp.take_along_axis(hidden, path_BxL1[:, :, None], axis=1)
+  return _accept(decoder, state, _gather(chunk_BxM1, path_BxL1[:, 1:]), n_accepted, token,
+                 jnp.ones_like(state.done), target_cache, hidden_BxL1xD, n)
 
 
 def _draft_tree_and_verify(decoder: Decoder, state: DecodeState) -> DecodeState:
   """A tree round: the drafter's tree of depth `spec.draft_len`, then its verification."""
   state, keys = _split_keys(state, 2)
   with jax.named_scope("drafter"):
-    drafter_state, proposal = decoder.drafter.propose_tree(
-        decoder.drafter_params, decoder.target_params, state.drafter_state, state.tokens, state.seq_lens,
-        decoder.spec, keys[0], state.sampling)
+    drafter_state, proposal = decoder.drafter.propose_tree(decoder.weights, state.drafter_state, state.context,
+                                                           decoder.spec, keys[0])
   state = tree_verify_step(decoder, state.replace(drafter_state=drafter_state), proposal, keys[1])
   return state.replace(stats=state.stats.count_schedule(decoder.spec.draft_len))
 
@@ -292,11 +307,10 @@ def _draft_tree_and_verify(decoder: Decoder, state: DecodeState) -> DecodeState:
 def _draft_and_verify(decoder: Decoder, draft_len: int, state: DecodeState, keys_K1xBx2: jax.Array) -> DecodeState:
   """A round of `draft_len` proposals; `keys` has spec.draft_len + 1 keys, the last one verify's."""
   with jax.named_scope("drafter"):
-    drafter_state, proposal = decoder.drafter.propose(
-        decoder.drafter_params, decoder.target_params, state.drafter_state, state.tokens, state.seq_lens,
-        keys_K1xBx2[:draft_len], state.sampling)
-  if state.layout is not None:
-    proposal = proposal.replace(logits_BxKxV=state.layout.pin_draft_logits(proposal.logits_BxKxV))
+    drafter_state, proposal = decoder.drafter.propose(decoder.weights, state.drafter_state, state.context,
+                                                      keys_K1xBx2[:draft_len])
+  if decoder.layout is not None:
+    proposal = proposal.replace(logits_BxKxV=decoder.layout.pin_draft_logits(proposal.logits_BxKxV))
   state = state.replace(drafter_state=drafter_state)
   verify_keys = keys_K1xBx2[-1]
   if not decoder.drafter.can_skip_rounds:
@@ -342,7 +356,6 @@ def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None
   the host continues the returned state (streaming, refilling finished rows with `insert`). The segments of
   a request decode exactly what one call would: nothing but the state carries over between rounds."""
   trace_counts["speculative" if decoder.drafter is not None else "autoregressive"] += 1
-  decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
   max_rounds = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
   running_B = ~state.done
 
@@ -362,7 +375,7 @@ def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.A
   if state.target_cache.heads_major:
     raise ValueError("insert needs batch-major caches (a mesh that splits kv heads lays them out by head)")
   capacity = state.tokens.shape[1]
-  fresh = start(decoder, requests, capacity, state.layout)
+  fresh = start(decoder, requests, capacity)
   leaves, treedef = jax.tree.flatten(state)
   new_leaves = [x if block is None else lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), slot * block[1],
                                                                         block[0])

@@ -1,14 +1,13 @@
 """Jitted entry points (prefill + loop in one executable; its pieces for segmented decoding), a compile cache
-keyed by shapes, JAX's persistent compilation cache, and placement on a device mesh.
+keyed by shapes, and JAX's persistent compilation cache.
 
-Executables are compiled ahead of time once per (decoder program, batch, prompt bucket, capacity, layout),
-so requests that differ only in prompt text, seeds or sampling values reuse them, and compile time can be
-reported apart from decode time.
+Executables are compiled ahead of time once per (decoder program and layout, batch, prompt bucket,
+capacity), so requests that differ only in prompt text, seeds or sampling values reuse them, and compile
+time can be reported apart from decode time.
 """
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import logging
 import time
@@ -16,38 +15,36 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jspec import decode, executables, sharding
+from jspec import decode, executables, request, sampling, sharding
 from jspec.decode import Decoder, Requests
-from jspec.sampling import SamplingParams
+from jspec.settings import SamplingConfig
 from jspec.stats import DecodeStats
 
-STATIC = ("capacity", "layout")
 log = logging.getLogger("jspec")
 
 
-def _run(decoder: Decoder, requests: Requests, *, capacity: int,
-         layout: sharding.Layout | None = None) -> tuple[jax.Array, jax.Array, DecodeStats]:
+def _run(decoder: Decoder, requests: Requests) -> tuple[jax.Array, jax.Array, DecodeStats]:
   """Prefills and decodes a batch. Returns `(tokens [B,T], seq_lens [B], stats)`; row b's new tokens are
   `tokens[b, prompt_len:seq_len]`."""
-  state = decode.run(decoder, decode.start(decoder, requests, capacity, layout))
+  state = decode.run(decoder, decode.start(decoder, requests))
   return state.tokens, state.seq_lens, state.stats
 
 
-run = jax.jit(_run, static_argnames=STATIC)
+run = jax.jit(_run)
 
 
-def lower(decoder: Decoder, requests: Requests, capacity: int, layout: sharding.Layout | None = None) -> Any:
-  """`run` lowered for these arguments. On a mesh (`layout`) its shardings are explicit, as
+def lower(decoder: Decoder, requests: Requests) -> Any:
+  """`run` lowered for these arguments. On a mesh (`decoder.layout`) its shardings are explicit, as
   `jax.jit(in_shardings=..., out_shardings=...)` (what pjit became): each argument keeps the sharding it
-  was placed with (`place_on_mesh`) and the outputs are replicated. The decode state lives only inside the
-  executable (the while loop updates it in place), so no state buffer crosses the boundary to donate."""
-  if layout is None:
-    return run.lower(decoder, requests, capacity=capacity)
-  replicated = NamedSharding(layout.mesh, PartitionSpec())
-  explicit = jax.jit(functools.partial(_run, capacity=capacity, layout=layout), out_shardings=replicated,
+  was placed with (`jspec.sharding.place_decoder`, `place`) and the outputs are replicated. The decode
+  state lives only inside the executable (the while loop updates it in place), so no state buffer crosses
+  the boundary to donate."""
+  if decoder.layout is None:
+    return run.lower(decoder, requests)
+  replicated = NamedSharding(decoder.layout.mesh, PartitionSpec())
+  explicit = jax.jit(_run, out_shardings=replicated,
                      in_shardings=jax.tree.map(lambda x: x.sharding, (decoder, requests)))
   return explicit.lower(decoder, requests)
 
@@ -55,7 +52,7 @@ def lower(decoder: Decoder, requests: Requests, capacity: int, layout: sharding.
 # Jitted pieces for segmented decoding (streaming, continuous batching): the prefill of a batch, a segment
 # of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
 # place on accelerators, and the caller holds only what each call returns.
-start = jax.jit(decode.start, static_argnames=STATIC)
+start = jax.jit(decode.start, static_argnames="capacity")
 resume = jax.jit(decode.run, donate_argnames="state")
 insert = jax.jit(decode.insert, donate_argnames="state")
 
@@ -77,7 +74,8 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, **static: Any)
   if stored and stored.exists():
     log.info("loading the %s program", name)
   else:
-    log.info("compiling the %s program%s", name, f" (once: it is kept in {cache_dir})" if cache_dir else "")
+    log.info("compiling the %s program (the first run of a shape: up to a minute for adaptive speculation's "
+             "branches)%s", name, f"; it is kept in {cache_dir} for later runs" if cache_dir else "")
   hits, begin = _cache_hits[0], time.perf_counter()
   executable = executables.load(stored) if stored else None
   loaded = executable is not None
@@ -114,12 +112,10 @@ def _count_cache_hits(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_cache_hits)
 
 
-def compiled_run(decoder: Decoder, requests: Requests, capacity: int,
-                 layout: sharding.Layout | None = None) -> tuple[Any, float]:
+def compiled_run(decoder: Decoder, requests: Requests) -> tuple[Any, float]:
   """The executable of `run` for these argument shapes (call it with `(decoder, requests)`), and the
   seconds spent compiling it now (0 if cached)."""
-  return compiled("decode", lambda: lower(decoder, requests, capacity, layout), (decoder, requests),
-                  capacity=capacity, layout=layout)
+  return compiled("decode", lambda: lower(decoder, requests), (decoder, requests))
 
 
 def release_executables() -> None:
@@ -130,42 +126,20 @@ def release_executables() -> None:
   gc.collect()
 
 
-def prompt_bucket(length: int) -> int:
-  """Padded prompt width: a power of two or 1.5 times one, at least 16, so nearby prompt lengths share an
-  executable. Prefill runs over the whole width, so two buckets an octave pad by a third at most, not by
-  half (a prompt of 150 tokens prefills 192, not 256): padding falls from 38% to 18% of the prompt on
-  average, for twice the executables."""
-  width = max(16, 1 << (length - 1).bit_length())
-  return width * 3 // 4 if width >= 32 and width * 3 // 4 >= length else width
-
-
-def as_sampling(temperature, top_k, top_p, batch: int) -> SamplingParams:
-  """Per-row sampling arrays from scalars (or per-row sequences)."""
-  full = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
-  return SamplingParams(temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32),
-                        top_p=full(top_p, jnp.float32))
-
-
-def place_on_mesh(mesh: Mesh, decoder: Decoder, requests: Requests,
-                  shard_draft: bool = True) -> tuple[Decoder, Requests, sharding.Layout]:
-  """Places a run's arguments on the mesh by the rules of `jspec.sharding` (the drafter's weights and
-  cache too, unless `shard_draft=False` replicates them) and chooses the cache layout."""
-  decoder, layout = place_decoder(mesh, decoder, requests.prompts_BxP.shape[0], shard_draft)
-  return decoder, sharding.place(requests, mesh), layout
+# Aliases of one release for names that moved: the prompt bucket rule to `jspec.request`, sampling arrays
+# to `jspec.sampling`, mesh placement to `jspec.sharding`.
+prompt_bucket = request.prompt_bucket
+as_sampling = lambda temperature, top_k, top_p, batch: sampling.sampling_arrays(
+    SamplingConfig(temperature, top_k, top_p), batch)
 
 
 def place_decoder(mesh: Mesh, decoder: Decoder, batch: int,
                   shard_draft: bool = True) -> tuple[Decoder, sharding.Layout]:
-  """The decoder's weights placed on the mesh, and the cache layout for batches of `batch` rows."""
-  target_params, drafter_params = decoder.target_params, decoder.drafter_params
-  draft_config = getattr(decoder.drafter, "config", None)
-  if not sharding.is_placed(target_params, mesh):
-    target_params = sharding.place(target_params, mesh,
-                                   sharding.param_specs(target_params, decoder.target_config, mesh))
-  if drafter_params is not None and not sharding.is_placed(drafter_params, mesh):
-    specs = sharding.param_specs(drafter_params, draft_config, mesh) if shard_draft else None
-    drafter_params = sharding.place(drafter_params, mesh, specs)
-  draft_cache = sharding.cache_layout(batch, draft_config if shard_draft else None, mesh)
-  layout = sharding.Layout(mesh, sharding.cache_layout(batch, decoder.target_config, mesh), draft_cache,
-                           draft_replicated=not shard_draft)
-  return decoder.replace(target_params=target_params, drafter_params=drafter_params), layout
+  decoder = sharding.place_decoder(mesh, decoder, batch, shard_draft)
+  return decoder, decoder.layout
+
+
+def place_on_mesh(mesh: Mesh, decoder: Decoder, requests: Requests,
+                  shard_draft: bool = True) -> tuple[Decoder, Requests, sharding.Layout]:
+  decoder = sharding.place_decoder(mesh, decoder, requests.prompts_BxP.shape[0], shard_draft)
+  return decoder, sharding.place(requests, mesh), decoder.layout

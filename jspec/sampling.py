@@ -7,10 +7,15 @@ and work on argmaxes (`next_token`, `verify.verify_greedy`), which give the same
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from jspec.settings import SamplingConfig
 
 
 @flax.struct.dataclass
@@ -18,6 +23,16 @@ class SamplingParams:
   temperature: jax.Array  # [B] float32; 0 = greedy
   top_k: jax.Array  # [B] int32; 0 = off
   top_p: jax.Array  # [B] float32; 1 = off
+
+
+def sampling_arrays(sampling: SamplingConfig | Sequence[SamplingConfig], batch: int) -> SamplingParams:
+  """Per-row sampling arrays from one setting for every row, or one per row."""
+  rows = [sampling] * batch if isinstance(sampling, SamplingConfig) else list(sampling)
+  if len(rows) != batch:
+    raise ValueError(f"got sampling settings for {len(rows)} rows, not {batch}")
+  return SamplingParams(temperature=np.asarray([s.temperature for s in rows], np.float32),
+                        top_k=np.asarray([s.top_k for s in rows], np.int32),
+                        top_p=np.asarray([s.top_p for s in rows], np.float32))
 
 
 def _filter_top_k_top_p(logits_BxSxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:

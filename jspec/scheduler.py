@@ -17,18 +17,16 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jspec import cache as kvcache
-from jspec import decode, engine, model, sharding
+from jspec import engine, request, sharding
 from jspec.decode import Decoder
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
 from jspec.tokenizer import IncrementalDecoder
 
-# Rounds per segment (one host visit) when streaming: 3% of throughput at batch 1 on the shipped pair
-# (BENCHMARKS.md), and text appears every few tens of milliseconds. A segment also ends when a row
-# finishes, so continuous batching does not wait for it.
+# Rounds per segment (one host visit) when streaming: few enough host visits that they cost little
+# throughput (docs/streaming.md), often enough that text appears every few tens of milliseconds. A segment
+# also ends when a row finishes, so continuous batching does not wait for it.
 SEGMENT_ROUNDS = 16
 
 
@@ -46,37 +44,30 @@ class Delta:
 class Stream:
   """Iterating yields `Delta`s as rounds are accepted; afterwards `stats` holds the totals."""
 
-  def __init__(self, decoder: Decoder, tokenizer, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], *,
-               slots: int, max_new_tokens: int, sampling: SamplingConfig, ignore_eos: bool,
-               segment_rounds: int = SEGMENT_ROUNDS, layout=None):
+  def __init__(self, decoder: Decoder, tokenizer, prompt_ids: Sequence[Sequence[int]], *, slots: int,
+               max_new_tokens: int, sampling: SamplingConfig | Sequence[SamplingConfig], seeds: Sequence[int],
+               ignore_eos: bool, segment_rounds: int = SEGMENT_ROUNDS):
     if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
       raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
-    # The loop materializes the target's LM head at every call; a stream makes many calls, so once here.
-    decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
-    self.decoder, self.tokenizer, self.layout = decoder, tokenizer, layout
+    self.decoder, self.tokenizer = decoder, tokenizer
     self.prompt_ids, self.seeds = [list(p) for p in prompt_ids], list(seeds)
-    self.slots = slots  # rows of the batch, at most one per prompt
-    self.max_new_tokens, self.sampling, self.ignore_eos = max_new_tokens, sampling, ignore_eos
+    self.sampling = [sampling] * len(self.prompt_ids) if isinstance(sampling, SamplingConfig) else list(sampling)
+    self.slots = slots  # rows of the batch (the decoder was made for this many), at most one per prompt
+    self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
     self.segment_rounds = segment_rounds
-    widest = engine.prompt_bucket(max(len(p) for p in self.prompt_ids))
-    self.capacity = kvcache.round_capacity(decode.required_capacity(widest, max_new_tokens, decoder.headroom))
+    widest = request.prompt_bucket(max(len(p) for p in self.prompt_ids))
+    self.capacity = request.capacity(widest, max_new_tokens, decoder.headroom)
     self.stats: Stats | None = None
     self.compile_seconds = 0.0
     self._executables: dict = {}
 
-  def _requests(self, indices: Sequence[int]) -> decode.Requests:
-    rows = [self.prompt_ids[i] for i in indices]
-    prompts_BxP = np.zeros((len(rows), engine.prompt_bucket(max(len(r) for r in rows))), np.int32)
-    for b, ids in enumerate(rows):
-      prompts_BxP[b, :len(ids)] = ids
-    s, n = self.sampling, len(rows)
-    requests = decode.Requests(
-        prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(r) for r in rows], np.int32),
-        max_new_tokens_B=np.full((n,), self.max_new_tokens, np.int32),
-        sampling=engine.as_sampling(s.temperature, s.top_k, s.top_p, n),
-        seeds_B=np.asarray([self.seeds[i] for i in indices], np.uint32),
-        stop_BxE=decode.stop_ids(self.decoder.target_config, n, self.ignore_eos))
-    return requests if self.layout is None else sharding.place(requests, self.layout.mesh)
+  def _requests(self, indices: Sequence[int]) -> request.Requests:
+    requests = request.make_requests(self.decoder, [self.prompt_ids[i] for i in indices], self.max_new_tokens,
+                                     sampling=[self.sampling[i] for i in indices],
+                                     seed=[self.seeds[i] for i in indices], ignore_eos=self.ignore_eos,
+                                     capacity_slots=self.capacity)
+    layout = self.decoder.layout
+    return requests if layout is None else sharding.place(requests, layout.mesh)
 
   def _call(self, name: str, jitted, *args, **static):
     """Runs `jitted` through its executable for these shapes. The stream keeps the executables it used:
@@ -90,14 +81,13 @@ class Stream:
     return self._executables[key](*args)
 
   def __iter__(self) -> Iterator[Delta]:
-    decoder, capacity = self.decoder, self.capacity
+    decoder = self.decoder
     begin = time.perf_counter()
     pending = collections.deque(range(self.slots, len(self.prompt_ids)))
     slot_prompt: list[int | None] = list(range(self.slots))
     text = [IncrementalDecoder(self.tokenizer) for _ in range(self.slots)]
     sent = [0] * self.slots  # tokens of the slot's prompt already handed out
-    state = self._call("prefill", engine.start, decoder, self._requests(slot_prompt), capacity=capacity,
-                       layout=self.layout)
+    state = self._call("prefill", engine.start, decoder, self._requests(slot_prompt))
     segment = jnp.int32(self.segment_rounds)
     while True:
       state = self._call("segment", engine.resume, decoder, state, segment, jnp.asarray(bool(pending)))

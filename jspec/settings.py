@@ -10,8 +10,10 @@ import dataclasses
 import math
 import numbers
 
-# The drafters jspec has; `jspec.drafters` implements one class for each.
-DRAFTERS = ("model", "medusa", "eagle", "ngram")
+from jspec import registry
+
+# The drafter kinds registered when jspec loads (`jspec.registry`; a drafter registered later is valid too).
+DRAFTERS = registry.kinds()
 # The longest draft a request may ask for. Every K up to it is its own compiled branch under adaptive
 # speculation, and past about 8 the draft's later tokens are almost never accepted.
 MAX_DRAFT_LEN = 16
@@ -54,8 +56,8 @@ class CostModel:
   """A speculative round's cost in target steps, 1 + o + K (c + v) (see `jspec.adaptive`).
 
   c (`cost_ratio`): one draft step over one target step; v (`verify_cost`): what each extra verified token
-  adds to a target forward; o (`round_overhead`): a round's time beyond its forwards. `tools/bench.py
-  --suite cost --write` measures them for a pair and stores them with the drafter's checkpoint, noting
+  adds to a target forward; o (`round_overhead`): a round's time beyond its forwards. `python -m
+  jspec.bench --suite cost --write` measures them for a pair and stores them with the drafter's checkpoint, noting
   the target's parameter count: a measured cost model applies only to a target of that size.
   `tree_top_k` and `tree_nodes`: the fastest tree shape measured for the drafter (`--suite tree --write`),
   what `TreeConfig()` uses with it.
@@ -101,10 +103,10 @@ class CostModel:
     return out
 
   @classmethod
-  def neutral(cls, drafter: str) -> CostModel:
-    """What an unmeasured drafter is assumed to cost: c = 0.1 (0 for n-gram, which reads no weights),
-    v = o = 0."""
-    return cls(cost_ratio=0.0 if drafter == "ngram" else 0.1)
+  def neutral(cls, reads_weights: bool = True) -> CostModel:
+    """What an unmeasured drafter is assumed to cost: c = 0.1 (0 for one that reads no weights, as n-gram
+    lookup), v = o = 0."""
+    return cls(cost_ratio=0.1 if reads_weights else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +218,8 @@ class SpecConfig:
   def __post_init__(self):
     _check(_is_int(self.draft_len) and 1 <= self.draft_len <= MAX_DRAFT_LEN,
            f"draft_len must be an integer in [1, {MAX_DRAFT_LEN}], got {self.draft_len}")
-    _check(self.drafter is None or self.drafter in DRAFTERS,
-           f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    _check(self.drafter is None or self.drafter in registry.DRAFTERS,
+           f"unknown drafter {self.drafter!r}; choose one of {', '.join(registry.DRAFTERS)}")
     _check(_is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM,
            f"max_ngram must be an integer in [1, {MAX_NGRAM}], got {self.max_ngram}")
     _check(self.disable_at_batch_size is None or (_is_int(self.disable_at_batch_size)
@@ -228,5 +230,4 @@ class SpecConfig:
     if self.tree is not None:
       _check(self.tree.choices is None or max(map(len, self.tree.choices)) <= self.draft_len,
              f"tree choices deeper than draft_len {self.draft_len}")
-      _check(self.drafter != "ngram", "the ngram drafter drafts chains only")
       _check(not self.typical_acceptance, "typical acceptance verifies chains only")

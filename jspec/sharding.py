@@ -143,7 +143,7 @@ class Layout:
       return lambda c: c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)),
                                  heads_major=layout.heads_major)
     is_cache = lambda x: isinstance(x, KVCache)
-    return state.replace(layout=self,
+    return state.replace(
         target_cache=pin(self.target_cache)(state.target_cache),
         drafter_state=jax.tree.map(lambda x: pin(self.draft_cache)(x) if is_cache(x) else x,
                                    state.drafter_state, is_leaf=is_cache))
@@ -171,6 +171,21 @@ def place(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
   return jax.tree.map(put, tree, specs, is_leaf=lambda x: x is None)
+
+
+def place_decoder(mesh: Mesh, decoder: Any, batch: int, shard_draft: bool = True) -> Any:
+  """A `jspec.decode.Decoder` with its weights placed on the mesh by the rules above (the drafter's too,
+  unless `shard_draft=False` replicates them) and the cache `layout` for batches of `batch` rows."""
+  target_params, drafter_params = decoder.target_params, decoder.drafter_params
+  draft_config = None if decoder.drafter is None else decoder.drafter.config
+  if not is_placed(target_params, mesh):
+    target_params = place(target_params, mesh, param_specs(target_params, decoder.target_config, mesh))
+  if drafter_params is not None and not is_placed(drafter_params, mesh):
+    drafter_params = place(drafter_params, mesh, param_specs(drafter_params, draft_config, mesh) if shard_draft
+                           else None)
+  layout = Layout(mesh, cache_layout(batch, decoder.target_config, mesh),
+                  cache_layout(batch, draft_config if shard_draft else None, mesh), draft_replicated=not shard_draft)
+  return decoder.replace(target_params=target_params, drafter_params=drafter_params, layout=layout)
 
 
 def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh) -> Any:

@@ -34,7 +34,8 @@ from jax import lax
 
 from jspec import cache as kvcache
 from jspec.cache import KVCache
-from jspec.sampling import SamplingParams, argmax, probabilities
+from jspec.sampling import SamplingParams, argmax, probabilities, sample
+from jspec.verify import residual
 
 TOP_K, SAMPLED = "top_k", "sampled"
 
@@ -101,29 +102,44 @@ def _children(parents_BxM: jax.Array, at_B: jax.Array, rank: int) -> tuple[jax.A
   return jnp.argmax(pick_BxM, axis=1).astype(jnp.int32), pick_BxM.any(axis=1)
 
 
-def verify_greedy(tokens_BxM: jax.Array, parents_BxM: jax.Array, logits_BxM1xV: jax.Array,
-                  depth: int, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Follows the target's argmax down each row's tree. Returns `(path_BxL1, n_accepted_B, next_token_B)`:
-  the chunk indices of the pending token and the accepted nodes (entries past n_accepted + 1 repeat the
-  last), how many nodes were accepted, and the token emitted after them. `width` (static) bounds how many
-  children a node has."""
-  best_BxM1 = argmax(logits_BxM1xV)
+def _walk(tokens_BxM: jax.Array, parents_BxM: jax.Array, depth: int, width: int, carry: Any, try_child,
+          descend) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+  """Walks down each row's tree from the pending token, trying each node's children in node order:
+  `try_child(carry, at_B, x_B, trying_B, level, rank) -> (hit_B, carry)` decides whether child token x (of
+  chunk entry `at`) is accepted, for the rows `trying` it; after each level, `descend(carry, found_B, at_B)`
+  moves the carry to the accepted child. Returns `(path_BxL1, n_accepted_B, at_B, carry)`: the chunk
+  indices of the pending token and the accepted nodes (entries past n_accepted + 1 repeat the last), how
+  many nodes were accepted, and where the walk stopped."""
   batch = tokens_BxM.shape[0]
   at_B, walking_B = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.bool_)
   path = [at_B]
-  for _ in range(depth):
-    want_B = jnp.take_along_axis(best_BxM1, at_B[:, None], axis=1)[:, 0]
+  for level in range(depth):
     found_B, next_B = jnp.zeros_like(walking_B), at_B
     for rank in range(width):
       node_B, exists_B = _children(parents_BxM, at_B, rank)
-      hit_B = exists_B & ~found_B & (jnp.take_along_axis(tokens_BxM, node_B[:, None], axis=1)[:, 0] == want_B)
+      x_B = jnp.take_along_axis(tokens_BxM, node_B[:, None], axis=1)[:, 0]
+      hit_B, carry = try_child(carry, at_B, x_B, walking_B & exists_B & ~found_B, level, rank)
       next_B, found_B = jnp.where(hit_B, node_B + 1, next_B), found_B | hit_B
     walking_B = walking_B & found_B
     at_B = jnp.where(walking_B, next_B, at_B)
+    carry = descend(carry, found_B, at_B)
     path.append(at_B)
   path_BxL1 = jnp.stack(path, axis=1)
   n_accepted = jnp.sum(path_BxL1[:, 1:] != path_BxL1[:, :-1], axis=1).astype(jnp.int32)
-  return path_BxL1, n_accepted, jnp.take_along_axis(best_BxM1, at_B[:, None], axis=1)[:, 0]
+  return path_BxL1, n_accepted, at_B, carry
+
+
+def verify_greedy(tokens_BxM: jax.Array, parents_BxM: jax.Array, logits_BxM1xV: jax.Array,
+                  depth: int, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Follows the target's argmax down each row's tree. Returns `(path_BxL1, n_accepted_B, next_token_B)`
+  (see `_walk`) with the token emitted after the accepted nodes. `width` (static) bounds how many children
+  a node has."""
+  best_BxM1 = argmax(logits_BxM1xV)
+  best_at = lambda at_B: jnp.take_along_axis(best_BxM1, at_B[:, None], axis=1)[:, 0]
+  try_child = lambda carry, at_B, x_B, trying_B, level, rank: (trying_B & (x_B == best_at(at_B)), carry)
+  path_BxL1, n_accepted, at_B, _ = _walk(tokens_BxM, parents_BxM, depth, width, None, try_child,
+                                         lambda carry, found_B, at_B: carry)
+  return path_BxL1, n_accepted, best_at(at_B)
 
 
 def verify(keys_B: jax.Array, tokens_BxM: jax.Array, parents_BxM: jax.Array, p_BxM1xV: jax.Array,
@@ -139,38 +155,22 @@ def verify(keys_B: jax.Array, tokens_BxM: jax.Array, parents_BxM: jax.Array, p_B
   u_BxLxW = jax.vmap(lambda k: jax.random.uniform(k, (depth, width)))(accept_key)
   take = lambda x_BxV, t_B: jnp.take_along_axis(x_BxV, t_B[:, None], axis=1)[:, 0]
   row_of = lambda x_BxM1xV, at_B: jnp.take_along_axis(x_BxM1xV, at_B[:, None, None], axis=1)[:, 0]
-  at_B, walking_B = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.bool_)
-  p_BxV = row_of(p_BxM1xV, at_B)
-  path = [at_B]
-  for level in range(depth):
-    q_BxV = None if rule == TOP_K else row_of(q_BxM1xV, at_B)
-    found_B, next_B = jnp.zeros_like(walking_B), at_B
-    for rank in range(width):
-      node_B, exists_B = _children(parents_BxM, at_B, rank)
-      x_B = take(tokens_BxM, node_B)
-      trying_B = walking_B & exists_B & ~found_B
-      u_B = u_BxLxW[:, level, rank]
-      if rule == TOP_K:  # accept with p(x) / mass left; on rejection p(x) = 0
-        p_x, mass = take(p_BxV, x_B), p_BxV.sum(-1)
-        hit_B = trying_B & (u_B * mass < p_x)
-        rejected = p_BxV.at[jnp.arange(batch), x_B].set(0.0)
-      else:  # accept with min(1, p(x) / q(x)); on rejection p = norm(max(0, p - q))
-        hit_B = trying_B & (u_B * take(q_BxV, x_B) < take(p_BxV, x_B))
-        rejected = jnp.maximum(p_BxV - q_BxV, 0.0)
-        total = rejected.sum(-1, keepdims=True)
-        # A zero residual means p == q, where rejection has probability 0: keep p.
-        rejected = jnp.where(total > 0, rejected / jnp.where(total > 0, total, 1.0), p_BxV)
-      p_BxV = jnp.where((trying_B & ~hit_B)[:, None], rejected, p_BxV)
-      next_B, found_B = jnp.where(hit_B, node_B + 1, next_B), found_B | hit_B
-    walking_B = walking_B & found_B
-    at_B = jnp.where(walking_B, next_B, at_B)
-    p_BxV = jnp.where(found_B[:, None], row_of(p_BxM1xV, at_B), p_BxV)  # a fresh p below an accepted node
-    path.append(at_B)
-  path_BxL1 = jnp.stack(path, axis=1)
-  n_accepted = jnp.sum(path_BxL1[:, 1:] != path_BxL1[:, :-1], axis=1).astype(jnp.int32)
-  p_BxV = p_BxV / p_BxV.sum(-1, keepdims=True)
-  token = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(residual_key, jnp.log(p_BxV)).astype(jnp.int32)
-  return path_BxL1, n_accepted, token
+
+  def try_child(p_BxV, at_B, x_B, trying_B, level, rank):
+    u_B = u_BxLxW[:, level, rank]
+    if rule == TOP_K:  # accept with p(x) / mass left; on rejection p(x) = 0
+      hit_B = trying_B & (u_B * p_BxV.sum(-1) < take(p_BxV, x_B))
+      rejected = p_BxV.at[jnp.arange(batch), x_B].set(0.0)
+    else:  # accept with min(1, p(x) / q(x)); on rejection p = norm(max(0, p - q))
+      q_BxV = row_of(q_BxM1xV, at_B)
+      hit_B = trying_B & (u_B * take(q_BxV, x_B) < take(p_BxV, x_B))
+      rejected = residual(p_BxV, q_BxV)
+    return hit_B, jnp.where((trying_B & ~hit_B)[:, None], rejected, p_BxV)
+
+  descend = lambda p_BxV, found_B, at_B: jnp.where(found_B[:, None], row_of(p_BxM1xV, at_B), p_BxV)
+  path_BxL1, n_accepted, _, p_BxV = _walk(tokens_BxM, parents_BxM, depth, width, row_of(p_BxM1xV, jnp.zeros(
+      (batch,), jnp.int32)), try_child, descend)
+  return path_BxL1, n_accepted, sample(residual_key, p_BxV / p_BxV.sum(-1, keepdims=True))
 
 
 def compact(cache: KVCache, base_B: jax.Array, path_BxL1: jax.Array) -> KVCache:

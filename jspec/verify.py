@@ -33,11 +33,15 @@ def verify(keys_B: jax.Array, draft_BxK: jax.Array, q_BxKxV: jax.Array,
   q_pad = jnp.concatenate([q_BxKxV, jnp.zeros_like(q_BxKxV[:, :1])], axis=1)
   at = n_accepted[:, None, None]
   p_n = jnp.take_along_axis(p_BxK1xV, at, axis=1)[:, 0]
-  residual = jnp.maximum(p_n - jnp.take_along_axis(q_pad, at, axis=1)[:, 0], 0.0)
-  total = residual.sum(-1, keepdims=True)
-  # A zero residual means p == q at that position, where rejection has probability 0; fall back to p.
-  residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_n)
-  return n_accepted, sample(residual_key, residual)
+  return n_accepted, sample(residual_key, residual(p_n, jnp.take_along_axis(q_pad, at, axis=1)[:, 0]))
+
+
+def residual(p_BxV: jax.Array, q_BxV: jax.Array) -> jax.Array:
+  """norm(max(0, p - q)): what a token is drawn from after a draft from q is rejected. A zero residual
+  means p == q, where rejection has probability 0: p itself then."""
+  left = jnp.maximum(p_BxV - q_BxV, 0.0)
+  total = left.sum(-1, keepdims=True)
+  return jnp.where(total > 0, left / jnp.where(total > 0, total, 1.0), p_BxV)
 
 
 def verify_greedy(draft_BxK: jax.Array, target_logits_BxK1xV: jax.Array) -> tuple[jax.Array, jax.Array]:

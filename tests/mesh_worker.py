@@ -24,8 +24,8 @@ if args.coordinator:
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import cache as kvcache  # noqa: E402
-from jspec import decode, engine, hf, model, pairing, sharding, testing  # noqa: E402
+from jspec import engine, hf, model, pairing, sharding, testing  # noqa: E402
+from jspec.request import make_requests  # noqa: E402
 from jspec.settings import SpecConfig  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
@@ -50,14 +50,11 @@ def runs(mesh):
 def collectives(mesh, mode):
   """all-reduce / all-gather counts in the while bodies of the loop `runs` compiled for the mesh: "ar", or
   speculative with a "sharded" or "replicated" draft (the same executables: nothing compiles again)."""
-  width, new = engine.prompt_bucket(max(map(len, prompts))), 12
-  requests = decode.Requests(np.zeros((8, width), np.int32), np.full((8,), 3, np.int32), np.full((8,), new, np.int32),
-                             engine.as_sampling(0.0, 0, 1.0, 8), np.arange(8, dtype=np.uint32),
-                             decode.stop_ids(CONFIG, 8, False))
   decoder = pairing.make_decoder(target, *((None, None) if mode == "ar" else (draft, FIXED)), batch=8)
-  capacity = kvcache.round_capacity(decode.required_capacity(width, new, decoder.headroom))
-  decoder, requests, layout = engine.place_on_mesh(mesh, decoder, requests, shard_draft=mode != "replicated")
-  compiled, seconds = engine.compiled_run(decoder, requests, capacity, layout)
+  requests = make_requests(decoder, prompts, 12)
+  decoder = sharding.place_decoder(mesh, decoder, 8, shard_draft=mode != "replicated")
+  requests = sharding.place(requests, mesh)
+  compiled, seconds = engine.compiled_run(decoder, requests)
   assert seconds == 0.0, f"{mode}: not the executable generate compiled"
   text = compiled.as_text()
   explicit = (all(s.is_fully_replicated for s in jax.tree.leaves(compiled.output_shardings))

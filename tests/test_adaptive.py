@@ -183,7 +183,7 @@ def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
   assert policy(target, loaded, verify_cost=0.2).cost == CostModel(0.3, 0.2, 0.7)  # what is given wins
   # Measured with another target: the neutral defaults, as for a drafter never measured.
   wider = testing.random_model(dataclasses.replace(CONFIG, mlp_dim=256))
-  assert policy(wider, loaded).cost == CostModel.neutral("model") == policy(target, draft).cost == CostModel(0.1)
+  assert policy(wider, loaded).cost == CostModel.neutral() == policy(target, draft).cost == CostModel(0.1)
   # Heads carry theirs too; n-gram's lives with the target.
   heads = testing.random_heads(drafters.MedusaDrafter(target.config, 4))
   checkpoint.save_heads(dataclasses.replace(heads, cost_models={"medusa": measured}), tmp_path / "medusa")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import decode, engine, pairing, testing, tokenizer
+from jspec import decode, pairing, testing, tokenizer
+from jspec.request import make_requests
 
 NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
 # A fixed K every round: with adaptive speculation (the default) K is chosen for the whole batch, so a
@@ -115,7 +116,7 @@ def test_no_retrace_across_requests_in_a_bucket(pair):
 
 
 def test_prompt_buckets_hold_the_prompt_with_at_most_a_third_padding():
-  from jspec.engine import prompt_bucket
+  from jspec.request import prompt_bucket
   widths = [prompt_bucket(n) for n in range(1, 4097)]
   assert all(n <= w for n, w in zip(range(1, 4097), widths))
   assert all(n > w * 2 // 3 for n, w in zip(range(17, 4097), widths[16:]))  # padding < a third of the width
@@ -142,13 +143,14 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   target, draft = pair
   chex.clear_trace_counter()
   decoder = pairing.make_decoder(target, draft, jspec.SpecConfig(draft_len=3, adaptive=None), batch=2)
+  template = make_requests(decoder, [[1] * 16] * 2, 6)
 
   @jax.jit
   @chex.assert_max_traces(n=1)
   def run(decoder, prompts, lens, temperature, seeds):
-    requests = decode.Requests(prompts, lens, jnp.full((2,), 6), engine.as_sampling(temperature, 0, 1.0, 2), seeds,
-                               decode.stop_ids(target.config, 2))
-    return decode.run(decoder, decode.start(decoder, requests, capacity=128)).tokens
+    requests = template.replace(prompts_BxP=prompts, prompt_lens_B=lens, seeds_B=seeds,
+                                sampling=template.sampling.replace(temperature=jnp.full((2,), temperature)))
+    return decode.run(decoder, decode.start(decoder, requests)).tokens
 
   for i in range(3):
     prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)

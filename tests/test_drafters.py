@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import checkpoint, decode, drafters, engine, pairing, shipped, testing
+from jspec import checkpoint, decode, drafters, pairing, shipped, testing
+from jspec.request import make_requests
 from jspec.settings import SpecConfig
 
 VOCAB = 16
@@ -62,29 +63,23 @@ def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
 def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
   prefill of the accepted text, including rows rejected in the middle of their draft."""
-  draft_len, batch, width, capacity = 4, 16, 16, 128
+  draft_len, batch, width = 4, 16, 16
   spec = SpecConfig(draft_len, drafter=kind, adaptive=None)
   decoder = pairing.make_decoder(target, make_draft(kind, target), spec, batch)
-  sp = engine.as_sampling(0.0, 0, 1.0, batch)
+  ps = prompts(batch, seed=2)
+  requests = make_requests(decoder, ps, 64, width=width)
   keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
 
   @jax.jit
   def fresh(tokens_BxP, lens_B):
-    requests = decode.Requests(tokens_BxP, lens_B, jnp.full((batch,), 64), sp, jnp.arange(batch),
-                               decode.stop_ids(target.config, batch))
-    return decode.start(decoder, requests, capacity)
+    return decode.start(decoder, requests.replace(prompts_BxP=tokens_BxP, prompt_lens_B=lens_B))
 
   @jax.jit
   def proposal(state):
-    return decoder.drafter.propose(decoder.drafter_params, decoder.target_params, state.drafter_state,
-                                   state.tokens, state.seq_lens, keys, sp)[1].logits_BxKxV
+    return decoder.drafter.propose(decoder.weights, state.drafter_state, state.context, keys)[1].logits_BxKxV
 
   step = jax.jit(lambda s: decode.speculative_step(decoder, s))
-  ps = prompts(batch, seed=2)
-  tokens = np.zeros((batch, width), np.int32)
-  for b, p in enumerate(ps):
-    tokens[b, :len(p)] = p
-  state = fresh(jnp.asarray(tokens), jnp.asarray([len(p) for p in ps], jnp.int32))
+  state = fresh(requests.prompts_BxP, requests.prompt_lens_B)
   mid_rejections = 0
   for _ in range(6):
     before = state.seq_lens

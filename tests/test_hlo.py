@@ -2,46 +2,43 @@
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 
 from jspec import cache as kvcache
 from jspec import decode, drafters, engine, testing, tree
+from jspec.request import make_requests
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
 
 CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 
 
-def _decoder_and_requests(batch, kind):
+def _decoder_and_requests(batch, kind, capacity=512):
   target = testing.random_model(CONFIG)
   draft = testing.random_model(DRAFT, seed=1)
   medusa = testing.random_heads(drafters.MedusaDrafter(CONFIG, 3))
   eagle = testing.random_heads(drafters.EagleDrafter.for_target(CONFIG))
-  adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral("model")))
+  adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral()))
   drafter, draft_params, spec = {
       "autoregressive": (None, None, None),
       "model": (drafters.ModelDrafter(DRAFT), draft.params, SpecConfig(4, adaptive=None)),
       # Adaptive rounds pick a branch per round (plain step or K), and the draft catches up after plain
       # steps with a wider forward: branches that write caches, which XLA:CPU must not copy.
-      "model-adaptive": (drafters.ModelDrafter(DRAFT, max_lag=17), draft.params, adaptive_spec),
+      "model-adaptive": (drafters.ModelDrafter(DRAFT, lag=17), draft.params, adaptive_spec),
       "ngram-adaptive": (drafters.NgramDrafter(CONFIG.vocab_size, 3), None, adaptive_spec),
       # A tree round gathers the accepted path's K/V into place: in place too.
       "medusa-tree": (medusa.drafter, medusa.params,
                       SpecConfig(3, tree=TreeConfig(3, 8, tree.default_choices(3, 3, 8)))),
       # The draft model grows its tree in its own cache, and catches up on the accepted path after.
-      "model-tree": (drafters.ModelDrafter(DRAFT, max_lag=3), draft.params, SpecConfig(3, tree=TreeConfig(3, 8))),
+      "model-tree": (drafters.ModelDrafter(DRAFT, lag=3), draft.params, SpecConfig(3, tree=TreeConfig(3, 8))),
       "eagle-tree": (eagle.drafter, eagle.params, SpecConfig(3, tree=TreeConfig(3, 8))),
   }[kind]
   decoder = decode.Decoder(target.params, draft_params, target_config=CONFIG, drafter=drafter, spec=spec)
-  requests = decode.Requests(np.zeros((batch, 16), np.int32), np.full((batch,), 3, np.int32),
-                             np.full((batch,), 8, np.int32), engine.as_sampling(0.0, 0, 1.0, batch),
-                             np.arange(batch, dtype=np.uint32), np.full((batch, 1), -1, np.int32))
-  return decoder, requests
+  return decoder, make_requests(decoder, [[0, 0, 0]] * batch, 8, capacity_slots=capacity)
 
 
 def _hlo(batch, kind, capacity=512):
-  return engine.lower(*_decoder_and_requests(batch, kind), capacity).compile().as_text()
+  return engine.lower(*_decoder_and_requests(batch, kind, capacity)).compile().as_text()
 
 
 @pytest.mark.parametrize("batch,kind", [
@@ -62,8 +59,8 @@ def test_segments_update_the_donated_state_in_place():
   import jax.numpy as jnp
 
   capacity, batch = 512, 4
-  decoder, requests = _decoder_and_requests(batch, "model")
-  state = engine.start(decoder, requests, capacity=capacity)
+  decoder, requests = _decoder_and_requests(batch, "model", capacity)
+  state = engine.start(decoder, requests)
   segment = engine.resume.lower(decoder, state, jnp.int32(8), jnp.asarray(True)).compile().as_text()
   for config in (CONFIG, DRAFT):
     assert testing.loop_cache_copies(segment, batch * config.n_kv_heads * capacity * config.head_dim) == []

@@ -51,6 +51,18 @@ def test_segments_decode_exactly_what_one_loop_does(pair, temperature, segment_r
   assert stream.stats.target_forwards > 0 and stream.stats.drafted_tokens > 0
 
 
+def test_the_decoder_is_built_for_the_rows_that_run(pair):
+  """One prompt streamed with room for 8 rows runs one row: planned as batch 1, not compared with a
+  batch-size threshold as if 8 rows ran."""
+  target, draft = pair
+  spec = jspec.SpecConfig(disable_at_batch_size=2)
+  stream = jspec.stream(target, PROMPTS[:1], draft=draft, spec=spec, batch_size=8, max_new_tokens=12)
+  assert stream.slots == 1 and stream.decoder.drafter is not None
+  collect(stream)
+  assert stream.stats.drafted_tokens > 0
+  assert jspec.stream(target, PROMPTS[:2], draft=draft, spec=spec, batch_size=8).decoder.drafter is None
+
+
 EOS_LIKELY = dataclasses.replace(testing.TINY, vocab_size=12, eos_id=3)
 
 

@@ -1,21 +1,26 @@
-"""The interface every drafter implements, the proposals it makes, trained heads, and the target features
-that head drafters read.
+"""The interface every drafter implements (`Drafter`), the proposals it makes, trained heads, and the target
+features that head drafters read.
 
 A drafter is a frozen (hashable) dataclass: it is a static part of the jitted loop, and its weights, if
 any, are a separate pytree. Its per-request state (a KV cache, the target's last features) rides in the
 loop's carried state. Each round the loop calls:
 
-  propose(...)  -> a `Proposal`: K tokens per row and the logits each was sampled from (q for rejection
-                   sampling);
-  observe(...)  -> after the target forward and the commit: learn the target's features of the round and
-                   roll back to the accepted text. A round may also be a plain target step (no proposals:
-                   n-gram misses, adaptive fallback), which observe sees as S = 1.
+  propose(...)       -> a `Proposal`: K tokens per row and the logits each was sampled from (q for
+                        rejection sampling);
+  propose_tree(...)  -> a `TreeProposal` instead, for drafters with `supports_tree`;
+  observe(...)       -> after the target forward and the commit: learn the target's features of the round
+                        and roll back to the accepted text. A round may also be a plain target step (no
+                        proposals: n-gram misses, adaptive fallback), which observe sees as S = 1.
+
+Everything else the engine needs to know of a kind (whether it needs weights, how far its cache may trail
+the text, the longest context it holds, how its checkpoint is written and read, how it is trained) is
+asked of the drafter here, never of its kind's name. Kinds are listed in `jspec.registry`.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.struct
 import jax
@@ -24,7 +29,10 @@ from jax import lax
 
 from jspec.config import ModelConfig
 from jspec.sampling import SamplingParams, next_token
-from jspec.settings import CostModel
+from jspec.settings import CostModel, SpecConfig, TreeConfig
+
+if TYPE_CHECKING:
+  from jspec.model import Model
 
 DrafterState = Any  # a pytree; None for stateless drafters
 
@@ -47,43 +55,141 @@ class TreeProposal:
   rule: str = flax.struct.field(pytree_node=False)  # jspec.tree.TOP_K or SAMPLED
 
 
-class Drafter(Protocol):
-  kind: str  # one of `jspec.settings.DRAFTERS`
-  config: ModelConfig | None  # the shape its weights and cache follow (Medusa: the target's); None: no weights
-  can_skip_rounds: bool  # rows may lack a proposal, and a round where none has one is a plain target step
+@flax.struct.dataclass
+class DraftWeights:
+  """The weights a drafter reads: its own (None when it has none) and the target's (heads share the target's
+  embedding and LM head)."""
+  drafter: Any
+  target: Any
 
+
+@flax.struct.dataclass
+class DraftContext:
+  """The rows' text as the loop holds it: tokens `[0, seq_lens[b])` of row b, and its sampling values."""
+  tokens_BxT: jax.Array
+  seq_lens_B: jax.Array
+  sampling: SamplingParams
+
+
+class Drafter:
+  """The base every drafter derives from: the loop's calls, and what the engine asks of a kind. A subclass
+  is a frozen dataclass with a `kind` and the methods its drafting needs; the defaults below describe a
+  drafter with no weights of its own, no cache that trails the text, and chains only."""
+  kind: ClassVar[str]  # its name in `jspec.registry`
+  needs_weights: ClassVar[bool] = True  # False: it drafts from the context alone (`for_pair` gets no draft)
+  can_skip_rounds: ClassVar[bool] = False  # rows may lack a proposal; a round where none has one is a plain step
+  supports_tree: ClassVar[bool] = False  # implements `propose_tree`
+  lags_plain_steps: ClassVar[bool] = False  # a plain target step leaves its state behind the text (see max_lag)
+  config: ModelConfig | None  # the shape its weights and cache follow; None: no weights
+
+  # -- pairing with a target ------------------------------------------------------------------------------
+  @classmethod
+  def for_pair(cls, target: Model, draft: Any, spec: SpecConfig) -> Drafter:
+    """The drafter for `target` from the loaded draft weights (a `Model` or `Heads`; None when
+    `needs_weights` is False); a draft that does not fit the target is a one-line ValueError."""
+    return draft.drafter
+
+  @property
+  def max_lag(self) -> int:
+    """The most tokens the drafter's state may trail the text by at the start of a round."""
+    return 0
+
+  def with_max_lag(self, lag: int) -> Drafter:
+    """This drafter able to catch up `lag` tokens at the start of a round (after plain steps or a tree
+    round); drafters whose state never trails return themselves."""
+    return self
+
+  @property
+  def context_len(self) -> int | None:
+    """The longest text (prompt + new tokens) the drafter holds; None: as long as the target's."""
+    return None
+
+  def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
+    """`shape` (its unset fields already taken from the measured or default shape) completed and checked
+    for this drafter's trees of depth `depth`: a ValueError if it cannot draft it. `nodes_asked`: the node
+    count was the user's, not a default that may shrink to fit a shallow tree."""
+    raise ValueError(f"the {self.kind} drafter drafts chains only; trees need a drafter with supports_tree")
+
+  # -- checkpoints -------------------------------------------------------------------------------------------
+  def metadata(self) -> dict:
+    """What its checkpoint's `drafter.json` records beside the kind and the config."""
+    return {}
+
+  @classmethod
+  def from_metadata(cls, config: ModelConfig, metadata: dict) -> Drafter:
+    """The drafter a checkpoint describes (the inverse of `metadata`)."""
+    return cls(config)
+
+  def init_params(self, key: jax.Array) -> Any:
+    """Fresh weights (training starts from these; checkpoints restore into their shapes)."""
+    raise NotImplementedError(f"the {self.kind} drafter has no weights of its own")
+
+  # -- training ---------------------------------------------------------------------------------------------
+  @classmethod
+  def for_training(cls, target_config: ModelConfig, options: dict) -> Drafter:
+    """A drafter to train for a target of `target_config` (`options`: the training config's `heads`)."""
+    raise ValueError(f"the {cls.kind} drafter is not trained as heads on a frozen target")
+
+  def loss(self, weights: DraftWeights, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
+           tokens_BxS: jax.Array, key: jax.Array, options: dict) -> jax.Array:
+    """The training loss on a window of the target's features, logits and tokens (target frozen)."""
+    raise NotImplementedError(f"the {self.kind} drafter has no training loss")
+
+  # -- the loop's calls ------------------------------------------------------------------------------------
   def init(self, batch: int, capacity: int, draft_len: int) -> DrafterState:
     """Empty state for a batch, with room for `capacity` positions per row."""
+    return None
 
-  def prefill(self, params: Any, target_params: Any, state: DrafterState, prompts_BxP: jax.Array,
-              prompt_lens_B: jax.Array, hidden_BxPxD: jax.Array) -> DrafterState:
+  def prefill(self, weights: DraftWeights, state: DrafterState, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
+              hidden_BxPxD: jax.Array) -> DrafterState:
     """Reads the prompts; `hidden` is the target's prefill output (final-normed features)."""
+    return state
 
-  def propose(self, params: Any, target_params: Any, state: DrafterState, tokens_BxT: jax.Array,
-              seq_lens_B: jax.Array, keys_KxBx2: jax.Array,
-              sampling: SamplingParams) -> tuple[DrafterState, Proposal]:
+  def propose(self, weights: DraftWeights, state: DrafterState, context: DraftContext,
+              keys_KxBx2: jax.Array) -> tuple[DrafterState, Proposal]:
     """K proposals per row. Token i of row b is drawn with `keys[i, b]` from the distribution that its
-    logits give under `sampling`. A row without a real proposal still returns well-formed tokens and
-    logits; when no row has one, the loop runs a plain target step.
-    """
+    logits give under `context.sampling`. A row without a real proposal still returns well-formed tokens
+    and logits (and `has_draft_B` False, when `can_skip_rounds`)."""
+    raise NotImplementedError
 
-  def observe(self, params: Any, target_params: Any, state: DrafterState, tokens_BxT: jax.Array,
-              hidden_BxSxD: jax.Array, n_B: jax.Array, new_n_B: jax.Array) -> DrafterState:
-    """After a target forward over S tokens at positions `[n-1, n-1+S)`, with `new_n` tokens now held.
-    After a tree round, `hidden` holds the accepted path's features in that order."""
+  def propose_tree(self, weights: DraftWeights, state: DrafterState, context: DraftContext, spec: SpecConfig,
+                   keys_Bx2: jax.Array) -> tuple[DrafterState, TreeProposal]:
+    """A draft tree of `spec.tree`'s shape and depth `spec.draft_len`; the keys and the rows' sampling draw
+    children from q when `spec.tree.sampled`."""
+    raise NotImplementedError
 
-  # Drafters that branch also have
-  #   propose_tree(params, target_params, state, tokens_BxT, seq_lens_B, spec, keys_Bx2, sampling)
-  #     -> (state, TreeProposal)
-  # with the tree's shape from `spec` (`SpecConfig.tree`, depth `spec.draft_len`); the keys and the rows'
-  # sampling draw children from q when `spec.tree.sampled`.
+  def observe(self, weights: DraftWeights, state: DrafterState, context: DraftContext, hidden_BxSxD: jax.Array,
+              n_B: jax.Array) -> DrafterState:
+    """After a target forward over S tokens at positions `[n-1, n-1+S)`; `context.seq_lens_B` holds the
+    lengths after the commit. After a tree round, `hidden` holds the accepted path's features in order."""
+    return state
+
+
+def check_heads_fit(kind: str, heads_config: ModelConfig, target: Model) -> None:
+  """Heads work at the target's width and read its LM head: both must match what they were trained for."""
+  if (heads_config.dim, heads_config.vocab_size) != (target.config.dim, target.config.vocab_size):
+    raise ValueError(f"these {kind} heads were trained for a target of width {heads_config.dim} and vocab "
+                     f"{heads_config.vocab_size}, not {target.config.dim} and {target.config.vocab_size}")
+
+
+def dynamic_tree_shape(kind: str, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
+  """`Drafter.tree_shape` for drafters that grow EAGLE-2's dynamic tree (`jspec.tree.grow`)."""
+  if shape.choices is not None:
+    raise ValueError(f"the {kind} drafter grows its tree dynamically; tree choices are for static trees")
+  made = shape.top_k + (depth - 1) * shape.top_k ** 2
+  if shape.nodes > made and not nodes_asked:
+    return dataclasses.replace(shape, nodes=made)
+  if shape.nodes > made:
+    raise ValueError(f"a tree of depth {depth} and top-k {shape.top_k} makes {made} candidate nodes, fewer "
+                     f"than the {shape.nodes} asked for")
+  return shape
 
 
 @dataclasses.dataclass(frozen=True)
 class Heads:
   """Trained Medusa or EAGLE weights, the drafter they belong to, and the cost models measured with them
   (by drafter kind; see `jspec.settings.CostModel`)."""
-  drafter: Any  # MedusaDrafter | EagleDrafter
+  drafter: Drafter
   params: dict
   cost_models: dict[str, CostModel] = dataclasses.field(default_factory=dict)
 

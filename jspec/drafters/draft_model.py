@@ -21,17 +21,47 @@ from jspec import cache as kvcache
 from jspec import model, tree
 from jspec.config import ModelConfig
 from jspec.control import run_if
-from jspec.drafters.base import Proposal, TreeProposal, draft_chain
-from jspec.sampling import SamplingParams
+from jspec.drafters.base import (
+  DraftContext,
+  Drafter,
+  DraftWeights,
+  Proposal,
+  TreeProposal,
+  draft_chain,
+  dynamic_tree_shape,
+)
+from jspec.model import Model
+from jspec.settings import SpecConfig, TreeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(Drafter):
   config: ModelConfig
-  max_lag: int = 1  # most tokens the cache may trail the text by at the start of a round
+  lag: int = 1  # most tokens the cache may trail the text by at the start of a round
   vocab_size: int | None = None  # the target's; None: the draft's own
-  kind: str = "model"
-  can_skip_rounds = False
+  kind = "model"
+  supports_tree = True
+  lags_plain_steps = True
+
+  @classmethod
+  def for_pair(cls, target: Model, draft: Model, spec: SpecConfig) -> ModelDrafter:
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # embeddings may be padded to other sizes
+      raise ValueError("the draft's tokenizer differs from the target's")
+    return cls(draft.config, vocab_size=target.config.vocab_size)
+
+  @property
+  def max_lag(self) -> int:
+    return self.lag
+
+  def with_max_lag(self, lag: int) -> ModelDrafter:
+    return dataclasses.replace(self, lag=max(self.lag, lag))
+
+  @property
+  def context_len(self) -> int:
+    return self.config.max_seq_len
+
+  def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
+    return dynamic_tree_shape(self.kind, shape, depth, nodes_asked)
 
   def _logits(self, params, hidden_BxSxD: jax.Array) -> jax.Array:
     """The draft's logits over the target's vocabulary."""
@@ -46,9 +76,10 @@ class ModelDrafter:
   def init(self, batch: int, capacity: int, draft_len: int) -> kvcache.KVCache:
     return kvcache.init_cache(self.config, batch, capacity)
 
-  def prefill(self, params, target_params, cache, prompts_BxP, prompt_lens_B, hidden_BxPxD):
+  def prefill(self, weights: DraftWeights, cache, prompts_BxP, prompt_lens_B, hidden_BxPxD):
     # Like the target's, the cache holds all but the last prompt token, which the first round feeds.
-    return model.prefill(params, self.config, cache, prompts_BxP, prompt_lens_B)[1].rewind(prompt_lens_B - 1)
+    return model.prefill(weights.drafter, self.config, cache, prompts_BxP,
+                         prompt_lens_B)[1].rewind(prompt_lens_B - 1)
 
   def _catch_up(self, params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
                 n_B: jax.Array) -> tuple[jax.Array, kvcache.KVCache]:
@@ -63,32 +94,32 @@ class ModelDrafter:
       hidden_Bx1xD = jnp.take_along_axis(hidden, (n - 1 - d)[:, None, None], axis=1)
       return self._logits(params, hidden_Bx1xD)[:, 0], c
 
-    if self.max_lag <= 1:
+    if self.lag <= 1:
       logits_BxV, cache = catch_up(2, cache)
     else:  # the wide forward only when the cache trails by more than one token
       narrow = jnp.all(n - 1 - d <= 1)
       logits_BxV = jnp.zeros((n.shape[0], self.vocab_size or self.config.vocab_size), jnp.float32)
       carry = run_if(narrow, lambda c: catch_up(2, c[1]), (logits_BxV, cache))
-      logits_BxV, cache = run_if(~narrow, lambda c: catch_up(self.max_lag + 1, c[1]), carry)
+      logits_BxV, cache = run_if(~narrow, lambda c: catch_up(self.lag + 1, c[1]), carry)
     return logits_BxV, cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
-  def propose(self, params, target_params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
-              seq_lens_B: jax.Array, keys_KxBx2: jax.Array,
-              sampling: SamplingParams) -> tuple[kvcache.KVCache, Proposal]:
-    logits_BxV, cache = self._catch_up(params, cache, tokens_BxT, seq_lens_B)
+  def propose(self, weights: DraftWeights, cache: kvcache.KVCache, context: DraftContext,
+              keys_KxBx2: jax.Array) -> tuple[kvcache.KVCache, Proposal]:
+    params = weights.drafter
+    logits_BxV, cache = self._catch_up(params, cache, context.tokens_BxT, context.seq_lens_B)
 
     def step(cache, token_B):
       _, hidden, cache = model.forward(params, token_B[:, None], cache.lengths[:, None], cache, self.config)
       return cache, self._logits(params, hidden)[:, 0]
 
-    return draft_chain(step, cache, logits_BxV, keys_KxBx2, sampling)
+    return draft_chain(step, cache, logits_BxV, keys_KxBx2, context.sampling)
 
-  def propose_tree(self, params, target_params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
-                   seq_lens_B: jax.Array, spec, keys_Bx2, sampling) -> tuple[kvcache.KVCache, TreeProposal]:
+  def propose_tree(self, weights: DraftWeights, cache: kvcache.KVCache, context: DraftContext, spec: SpecConfig,
+                   keys_Bx2: jax.Array) -> tuple[kvcache.KVCache, TreeProposal]:
     """The dynamic tree (`jspec.tree.grow`) from the draft's own distributions; the cache keeps only the
     text, so after the round it trails by the accepted tokens, which the next round feeds (`max_lag`)."""
-    n = seq_lens_B
-    logits_BxV, cache = self._catch_up(params, cache, tokens_BxT, n)
+    params, n = weights.drafter, context.seq_lens_B
+    logits_BxV, cache = self._catch_up(params, cache, context.tokens_BxT, n)
 
     def expand(cache, _, tokens_BxK, tree_BxKxA, level):
       positions = jnp.broadcast_to((n - 1 + level)[:, None], tokens_BxK.shape)
@@ -97,11 +128,11 @@ class ModelDrafter:
 
     cache, tokens_BxM, parents_BxM, q_logits = tree.grow(expand, cache, None, logits_BxV, spec.draft_len,
                                                          spec.tree.top_k, spec.tree.nodes,
-                                                         tree.children(spec, keys_Bx2, sampling))
+                                                         tree.children(spec, keys_Bx2, context.sampling))
     return cache.rewind(n), TreeProposal(tokens_BxM, parents_BxM, q_logits, tree.rule(spec))
 
-  def observe(self, params, target_params, cache: kvcache.KVCache, tokens_BxT, hidden_BxSxD, n_B,
-              new_n_B) -> kvcache.KVCache:
+  def observe(self, weights: DraftWeights, cache: kvcache.KVCache, context: DraftContext, hidden_BxSxD: jax.Array,
+              n_B: jax.Array) -> kvcache.KVCache:
     # After a round the draft holds its proposals up to slot n+K-2: keep what the accepted text shares with
     # them. After a plain step it holds what it held, which now trails the text by one more token.
-    return cache.rewind(jnp.minimum(cache.lengths, new_n_B - 1))
+    return cache.rewind(jnp.minimum(cache.lengths, context.seq_lens_B - 1))

@@ -19,13 +19,23 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
-import optax
 
 from jspec import cache as kvcache
-from jspec import losses, model, tree
+from jspec import model, tree
 from jspec.config import ModelConfig
-from jspec.drafters.base import Features, Proposal, TreeProposal, draft_chain
-from jspec.sampling import SamplingParams
+from jspec.drafters.base import (
+  DraftContext,
+  Drafter,
+  DraftWeights,
+  Features,
+  Proposal,
+  TreeProposal,
+  check_heads_fit,
+  draft_chain,
+  dynamic_tree_shape,
+)
+from jspec.settings import SpecConfig, TreeConfig
+from jspec.training import losses
 
 
 @flax.struct.dataclass
@@ -35,10 +45,22 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(Drafter):
   config: ModelConfig  # the target's shape with one layer (its own mlp_dim allowed)
-  kind: str = "eagle"
-  can_skip_rounds = False
+  kind = "eagle"
+  supports_tree = True
+
+  @classmethod
+  def for_pair(cls, target, draft, spec: SpecConfig) -> EagleDrafter:
+    check_heads_fit(cls.kind, draft.drafter.config, target)
+    return draft.drafter
+
+  def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
+    return dynamic_tree_shape(self.kind, shape, depth, nodes_asked)
+
+  @classmethod
+  def for_training(cls, target_config: ModelConfig, options: dict) -> EagleDrafter:
+    return cls.for_target(target_config, options.get("mlp_dim"))
 
   @classmethod
   def for_target(cls, target_config: ModelConfig, mlp_dim: int | None = None) -> EagleDrafter:
@@ -60,17 +82,20 @@ class EagleDrafter:
   def _features(self, params, x_BxSxD):
     return model.rms_norm(x_BxSxD, params["final_norm"], self.config)
 
-  def step(self, params, target_params, cache, feature_BxSxD, next_tokens_BxS, positions_BxS):
-    """Predicted features of positions+1 for S (feature, next token) pairs; the cache advances by S."""
+  def step(self, params, target_params, cache, feature_BxSxD, next_tokens_BxS, positions_BxS,
+           tree_BxSxA: jax.Array | None = None):
+    """Predicted features of positions+1 for S (feature, next token) pairs; the cache advances by S. With a
+    tree mask, each entry sees the cache and its ancestors among this round's entries."""
     x = self._inputs(params, target_params, feature_BxSxD, next_tokens_BxS)
-    x, cache = model.cached_decoder(params, x, positions_BxS, cache, self.config)
+    x, cache = model.cached_decoder(params, x, positions_BxS, cache, self.config, tree_BxSxA)
     return self._features(params, x), cache
 
   def init(self, batch: int, capacity: int, draft_len: int) -> EagleState:
     return EagleState(kvcache.init_cache(self.config, batch, capacity),
                       Features.zeros(batch, draft_len + 1, self.config.dim, self.config.jnp_dtype))
 
-  def prefill(self, params, target_params, state: EagleState, prompts_BxP, prompt_lens_B, hidden_BxPxD):
+  def prefill(self, weights: DraftWeights, state: EagleState, prompts_BxP, prompt_lens_B, hidden_BxPxD):
+    params, target_params = weights.drafter, weights.target
     batch, width = prompts_BxP.shape
     next_BxP = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((batch, 1), prompts_BxP.dtype)], 1)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
@@ -89,10 +114,10 @@ class EagleDrafter:
     at = jnp.clip(n_B - 2 - feats.start_B, 0, width - 1)
     return jnp.take_along_axis(pred_BxCxD, at[:, None, None], axis=1)[:, 0], cache.rewind(jnp.maximum(n_B - 1, 0))
 
-  def propose(self, params, target_params, state: EagleState, tokens_BxT, seq_lens_B, keys_KxBx2,
-              sampling: SamplingParams) -> tuple[EagleState, Proposal]:
-    n, feats = seq_lens_B, state.features
-    feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxT, n)
+  def propose(self, weights: DraftWeights, state: EagleState, context: DraftContext,
+              keys_KxBx2: jax.Array) -> tuple[EagleState, Proposal]:
+    params, target_params = weights.drafter, weights.target
+    feature_BxD, cache = self._catch_up(params, target_params, state, context.tokens_BxT, context.seq_lens_B)
     logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None], self.config)[:, 0]
 
     def step(carry, token_B):
@@ -101,46 +126,46 @@ class EagleDrafter:
                                  cache.lengths[:, None])
       return (cache, feature[:, 0]), model.logits_from_hidden(target_params, feature, self.config)[:, 0]
 
-    (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, sampling)
-    return EagleState(cache, feats), proposal
+    (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, context.sampling)
+    return EagleState(cache, state.features), proposal
 
-  def propose_tree(self, params, target_params, state: EagleState, tokens_BxT, seq_lens_B, spec, keys_Bx2,
-                   sampling) -> tuple[EagleState, TreeProposal]:
+  def propose_tree(self, weights: DraftWeights, state: EagleState, context: DraftContext, spec: SpecConfig,
+                   keys_Bx2: jax.Array) -> tuple[EagleState, TreeProposal]:
     """EAGLE-2's dynamic tree (`jspec.tree.grow`): each level feeds the frontier's (parent feature, token)
     pairs at once, each entry seeing the cache and its ancestors; the next round recomputes from real
     features, so nothing fed here needs to be kept."""
-    n = seq_lens_B
-    feature_BxD, cache = self._catch_up(params, target_params, state, tokens_BxT, n)
+    params, target_params, n = weights.drafter, weights.target, context.seq_lens_B
+    feature_BxD, cache = self._catch_up(params, target_params, state, context.tokens_BxT, n)
     logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None], self.config)[:, 0]
 
     def expand(cache, feature_BxKxD, tokens_BxK, tree_BxKxA, level):
       positions = jnp.broadcast_to((n - 2 + level)[:, None], tokens_BxK.shape)
-      x = self._inputs(params, target_params, feature_BxKxD, tokens_BxK)
-      x, cache = model.cached_decoder(params, x, positions, cache, self.config, tree_BxKxA)
-      feature = self._features(params, x)
+      feature, cache = self.step(params, target_params, cache, feature_BxKxD, tokens_BxK, positions, tree_BxKxA)
       return cache, model.logits_from_hidden(target_params, feature, self.config), feature
 
     top_k = spec.tree.top_k
     parent_feature = jnp.broadcast_to(feature_BxD[:, None], (n.shape[0], top_k, feature_BxD.shape[-1]))
     cache, tokens_BxM, parents_BxM, q_logits = tree.grow(expand, cache, parent_feature, logits_BxV, spec.draft_len,
                                                          top_k, spec.tree.nodes,
-                                                         tree.children(spec, keys_Bx2, sampling))
+                                                         tree.children(spec, keys_Bx2, context.sampling))
     proposal = TreeProposal(tokens_BxM, parents_BxM, q_logits, tree.rule(spec))
     return EagleState(cache.rewind(jnp.maximum(n - 1, 0)), state.features), proposal
 
-  def observe(self, params, target_params, state: EagleState, tokens_BxT, hidden_BxSxD, n_B,
-              new_n_B) -> EagleState:
+  def observe(self, weights: DraftWeights, state: EagleState, context: DraftContext, hidden_BxSxD: jax.Array,
+              n_B: jax.Array) -> EagleState:
     cache = state.cache
     if hidden_BxSxD.shape[1] == 1:  # a plain step: nothing was proposed, so feed what is pending first
-      cache = self._catch_up(params, target_params, state, tokens_BxT, n_B)[1]
+      cache = self._catch_up(weights.drafter, weights.target, state, context.tokens_BxT, n_B)[1]
     features = state.features.update(hidden_BxSxD, n_B)
     return EagleState(cache.rewind(features.start_B), features)
 
-  def loss(self, params: dict, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array, target_params: dict,
-           tokens_BxS: jax.Array, feature_weight: float = 1.0, noise: float = 0.0,
-           key: jax.Array | None = None) -> jax.Array:
-    """Teacher-forced on real features (with optional uniform noise, as EAGLE trains): smooth-L1 feature
-    regression plus KL(target || draft) on the next-next token."""
+  def loss(self, weights: DraftWeights, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
+           tokens_BxS: jax.Array, key: jax.Array, options: dict) -> jax.Array:
+    """Teacher-forced on real features (with optional uniform noise of width `options["feature_noise"]`,
+    as EAGLE trains): smooth-L1 feature regression (weighted by `options["feature_weight"]`) plus KL(target ||
+    draft) on the next-next token."""
+    params, target_params = weights.drafter, weights.target
+    feature_weight, noise = options.get("feature_weight", 1.0), options.get("feature_noise", 0.0)
     inputs = hidden_BxSxD[:, :-1]
     if noise:
       inputs = inputs + jax.random.uniform(key, inputs.shape, inputs.dtype, -noise / 2, noise / 2)
@@ -148,7 +173,7 @@ class EagleDrafter:
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
     x = model.decoder(params, x, positions, self.config, model.full_attention(self.config))
     pred = self._features(params, x).astype(jnp.float32)
-    regression = jnp.mean(optax.huber_loss(pred, hidden_BxSxD[:, 1:].astype(jnp.float32)))  # smooth L1
+    regression = jnp.mean(losses.smooth_l1(pred, hidden_BxSxD[:, 1:].astype(jnp.float32)))
     return feature_weight * regression + losses.kl(target_logits_BxSxV[:, 1:],
                                                    model.logits_from_hidden(target_params, pred, self.config))
 

@@ -15,18 +15,55 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import losses, model, tree
+from jspec import model, tree
 from jspec.config import ModelConfig
-from jspec.drafters.base import Features, Proposal, TreeProposal
-from jspec.sampling import SamplingParams, next_token
+from jspec.drafters.base import (
+  DraftContext,
+  Drafter,
+  DraftWeights,
+  Features,
+  Proposal,
+  TreeProposal,
+  check_heads_fit,
+)
+from jspec.sampling import next_token
+from jspec.settings import SpecConfig, TreeConfig
+from jspec.training import losses
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
   config: ModelConfig  # the target's: the heads work at its width and share its LM head
   num_heads: int
-  kind: str = "medusa"
-  can_skip_rounds = False
+  kind = "medusa"
+  supports_tree = True
+
+  @classmethod
+  def for_pair(cls, target, draft, spec: SpecConfig) -> MedusaDrafter:
+    check_heads_fit(cls.kind, draft.drafter.config, target)
+    if spec.draft_len > draft.drafter.num_heads:
+      raise ValueError(f"draft_len {spec.draft_len} exceeds the {draft.drafter.num_heads} Medusa heads")
+    return draft.drafter
+
+  def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
+    """A static tree (Medusa's `tree_choices`): the given paths, else the likeliest `nodes` paths."""
+    if shape.sampled:
+      raise ValueError("the medusa drafter's tree is static: sampled children need a dynamic tree")
+    if shape.choices is not None:
+      return shape
+    choices = tree.default_choices(depth, shape.top_k, shape.nodes)
+    return dataclasses.replace(shape, choices=choices, nodes=len(choices))
+
+  def metadata(self) -> dict:
+    return {"num_heads": self.num_heads}
+
+  @classmethod
+  def from_metadata(cls, config: ModelConfig, metadata: dict) -> MedusaDrafter:
+    return cls(config, int(metadata["num_heads"]))
+
+  @classmethod
+  def for_training(cls, target_config: ModelConfig, options: dict) -> MedusaDrafter:
+    return cls(target_config, options.get("num_heads", 5))
 
   def init_params(self, key: jax.Array | None = None) -> dict:
     d, dtype = self.config.dim, self.config.jnp_dtype
@@ -40,36 +77,40 @@ class MedusaDrafter:
   def init(self, batch: int, capacity: int, draft_len: int) -> Features:
     return Features.zeros(batch, draft_len + 1, self.config.dim, self.config.jnp_dtype)
 
-  def prefill(self, params, target_params, state: Features, prompts_BxP, prompt_lens_B, hidden_BxPxD):
+  def prefill(self, weights: DraftWeights, state: Features, prompts_BxP, prompt_lens_B, hidden_BxPxD):
     return Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.feats_BxCxD.shape[1])
 
-  def propose(self, params, target_params, state: Features, tokens_BxT, seq_lens_B, keys_KxBx2,
-              sampling: SamplingParams) -> tuple[Features, Proposal]:
-    num = keys_KxBx2.shape[0]
-    heads_BxKxD = self.head_features(params, state.last(seq_lens_B)[:, None], num)[:, 0]
-    logits_BxKxV = model.logits_from_hidden(target_params, heads_BxKxD, self.config)
-    tokens_BxK = jnp.stack([next_token(keys_KxBx2[i], logits_BxKxV[:, i], sampling) for i in range(num)], 1)
-    return state, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(seq_lens_B.shape, bool))
+  def _head_logits(self, weights: DraftWeights, state: Features, seq_lens_B: jax.Array, heads: int) -> jax.Array:
+    """The first `heads` heads' logits at the row's last feature, [B, heads, V]."""
+    heads_BxKxD = self.head_features(weights.drafter, state.last(seq_lens_B)[:, None], heads)[:, 0]
+    return model.logits_from_hidden(weights.target, heads_BxKxD, self.config)
 
-  def propose_tree(self, params, target_params, state: Features, tokens_BxT, seq_lens_B, spec, keys_Bx2,
-                   sampling) -> tuple[Features, TreeProposal]:
+  def propose(self, weights: DraftWeights, state: Features, context: DraftContext,
+              keys_KxBx2: jax.Array) -> tuple[Features, Proposal]:
+    num = keys_KxBx2.shape[0]
+    logits_BxKxV = self._head_logits(weights, state, context.seq_lens_B, num)
+    tokens_BxK = jnp.stack([next_token(keys_KxBx2[i], logits_BxKxV[:, i], context.sampling) for i in range(num)], 1)
+    return state, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(context.seq_lens_B.shape, bool))
+
+  def propose_tree(self, weights: DraftWeights, state: Features, context: DraftContext, spec: SpecConfig,
+                   keys_Bx2: jax.Array) -> tuple[Features, TreeProposal]:
     """The static tree `spec.tree.choices`: node (r1, .., rd) is head d's rank-rd token (top-k children)."""
     shape = tree.static_shape(spec.tree.choices)
-    heads_BxLxD = self.head_features(params, state.last(seq_lens_B)[:, None], spec.draft_len)[:, 0]
-    logits_BxLxV = model.logits_from_hidden(target_params, heads_BxLxD, self.config)
+    logits_BxLxV = self._head_logits(weights, state, context.seq_lens_B, spec.draft_len)
     top_BxLxR = lax.top_k(logits_BxLxV, spec.tree.top_k)[1].astype(jnp.int32)
     tokens_BxM = top_BxLxR[:, shape.depth_M - 1, shape.rank_M]
     parents_BxM = jnp.broadcast_to(jnp.asarray(shape.parent_M, jnp.int32), tokens_BxM.shape)
     return state, TreeProposal(tokens_BxM, parents_BxM, None, tree.TOP_K)
 
-  def observe(self, params, target_params, state: Features, tokens_BxT, hidden_BxSxD, n_B, new_n_B) -> Features:
+  def observe(self, weights: DraftWeights, state: Features, context: DraftContext, hidden_BxSxD: jax.Array,
+              n_B: jax.Array) -> Features:
     return state.update(hidden_BxSxD, n_B)
 
-  def loss(self, params: dict, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
-           target_params: dict) -> jax.Array:
+  def loss(self, weights: DraftWeights, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
+           tokens_BxS: jax.Array, key: jax.Array, options: dict) -> jax.Array:
     """Self-distillation: head k at position t matches the target's own distribution at t + 1 + k."""
-    seq = hidden_BxSxD.shape[1]
-    heads = self.head_features(params, hidden_BxSxD, self.num_heads)
+    seq, target_params = hidden_BxSxD.shape[1], weights.target
+    heads = self.head_features(weights.drafter, hidden_BxSxD, self.num_heads)
     total = 0.0
     for k in range(self.num_heads):
       shift = k + 1

@@ -13,8 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import Proposal
-from jspec.sampling import SamplingParams
+from jspec.drafters.base import DraftContext, Drafter, DraftWeights, Proposal
+from jspec.settings import SpecConfig
 
 
 def lookup(tokens_BxT: jax.Array, seq_lens_B: jax.Array, max_ngram: int) -> tuple[jax.Array, jax.Array]:
@@ -37,28 +37,24 @@ def lookup(tokens_BxT: jax.Array, seq_lens_B: jax.Array, max_ngram: int) -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(Drafter):
   vocab_size: int
   max_ngram: int = 3
-  kind: str = "ngram"
+  kind = "ngram"
   config = None  # no weights
+  needs_weights = False
   can_skip_rounds = True  # the loop may replace a round with a plain target step
 
-  def init(self, batch: int, capacity: int, draft_len: int) -> None:
-    return None
+  @classmethod
+  def for_pair(cls, target, draft: None, spec: SpecConfig) -> NgramDrafter:
+    return cls(target.config.vocab_size, spec.max_ngram)
 
-  def prefill(self, params, target_params, state, prompts_BxP, prompt_lens_B, hidden_BxPxD) -> None:
-    return None
-
-  def propose(self, params, target_params, state, tokens_BxT, seq_lens_B, keys_KxBx2,
-              sampling: SamplingParams) -> tuple[None, Proposal]:
-    num = keys_KxBx2.shape[0]
-    found, start = lookup(tokens_BxT, seq_lens_B, self.max_ngram)
+  def propose(self, weights: DraftWeights, state: None, context: DraftContext,
+              keys_KxBx2: jax.Array) -> tuple[None, Proposal]:
+    num, tokens_BxT = keys_KxBx2.shape[0], context.tokens_BxT
+    found, start = lookup(tokens_BxT, context.seq_lens_B, self.max_ngram)
     # Past the committed text the buffer holds stale tokens: still a valid (if poor) proposal.
     index = jnp.minimum(start[:, None] + jnp.arange(num), tokens_BxT.shape[1] - 1)
     tokens_BxK = jnp.take_along_axis(tokens_BxT, index, axis=1)
     logits_BxKxV = jnp.where(jax.nn.one_hot(tokens_BxK, self.vocab_size, dtype=bool), 0.0, -jnp.inf)
     return None, Proposal(tokens_BxK, logits_BxKxV, found)
-
-  def observe(self, params, target_params, state, tokens_BxT, hidden_BxSxD, n_B, new_n_B) -> None:
-    return None

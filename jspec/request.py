@@ -1,0 +1,120 @@
+"""A batch of requests as the decode loop takes them, and the one constructor every caller uses.
+
+`make_requests` validates the prompts against the decoder (vocabulary, context), pads them to a prompt
+bucket, sizes the KV cache (`capacity`), and turns seeds, stop tokens and sampling settings into per-row
+arrays, so that new values never recompile. `jspec.generate`, `jspec.stream`, the benchmarks and the tests
+all build their requests here.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import flax.struct
+import jax
+import numpy as np
+
+from jspec import cache as kvcache
+from jspec.sampling import SamplingParams, sampling_arrays
+from jspec.settings import SamplingConfig
+
+if TYPE_CHECKING:
+  from jspec.decode import Decoder
+
+
+GREEDY = SamplingConfig()
+
+
+@flax.struct.dataclass
+class Requests:
+  """A batch's inputs, one row each; arrays, so new values never recompile. `capacity` (static: a compiled
+  shape) is the slots each row's caches and token buffer hold."""
+  prompts_BxP: jax.Array  # int32, right-padded
+  prompt_lens_B: jax.Array  # int32
+  max_new_tokens_B: jax.Array  # int32
+  sampling: SamplingParams
+  seeds_B: jax.Array  # uint32: row b's PRNG seed
+  stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (see `stop_table`)
+  capacity: int | None = flax.struct.field(pytree_node=False, default=None)
+
+
+def prompt_bucket(length: int) -> int:
+  """Padded prompt width: a power of two or 1.5 times one, at least 16, so nearby prompt lengths share an
+  executable. Prefill runs over the whole width, so two buckets an octave keep the padding to a third of
+  the prompt at most, for twice the executables of powers of two alone."""
+  width = max(16, 1 << (length - 1).bit_length())
+  return width * 3 // 4 if width >= 32 and width * 3 // 4 >= length else width
+
+
+def capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
+  """The cache slots a request needs, rounded to a capacity bucket (`jspec.cache.round_capacity`): the
+  padded prompt, every new token, and `headroom` + 1 more for the widest chunk a round writes past the
+  text (`Decoder.headroom`)."""
+  return kvcache.round_capacity(prompt_width + max_new_tokens + headroom + 1)
+
+
+def stop_table(stop_ids: Sequence[int] | Sequence[Sequence[int]], batch: int) -> np.ndarray:
+  """`Requests.stop_BxE`: the tokens that end each row, -1 padded (a row of -1: none), from one list for
+  every row or a list per row."""
+  rows = [list(stop_ids)] * batch if not stop_ids or isinstance(stop_ids[0], numbers.Integral) else \
+      [list(r) for r in stop_ids]
+  if len(rows) != batch:
+    raise ValueError(f"got stop ids for {len(rows)} rows, not {batch}")
+  width = max(1, *(len(r) for r in rows))
+  return np.asarray([r + [-1] * (width - len(r)) for r in rows], np.int32).reshape(batch, width)
+
+
+def seed_array(seed: int | Sequence[int], batch: int) -> np.ndarray:
+  """Row b's seed: `seed + b`, or `seed[b]` from a list."""
+  seeds = [seed + b for b in range(batch)] if isinstance(seed, numbers.Integral) else [int(s) for s in seed]
+  if len(seeds) != batch:
+    raise ValueError(f"got {len(seeds)} seeds for {batch} prompts")
+  if not all(0 <= s < 2 ** 32 for s in seeds):
+    raise ValueError("seeds must be in [0, 2**32)")
+  return np.asarray(seeds, np.uint32)
+
+
+def check_prompts(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+  """Raises a one-line ValueError for anything the loop cannot serve: no prompts, an empty one, ids outside
+  the vocabulary, or a prompt that with `max_new_tokens` exceeds the context of the target (or the
+  drafter's, if shorter)."""
+  if not prompt_ids:
+    raise ValueError("no prompts given")
+  if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+  vocab, context = decoder.target_config.vocab_size, decoder.context_len
+  for i, ids in enumerate(prompt_ids):
+    if not len(ids):
+      raise ValueError(f"prompt {i} is empty")
+    if min(ids) < 0 or max(ids) >= vocab:
+      raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+    if len(ids) + max_new_tokens > context:
+      raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                       f"the model's context of {context} tokens")
+
+
+def make_requests(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *,
+                  sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
+                  seed: int | Sequence[int] = 0, ignore_eos: bool = False,
+                  stop_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                  width: int | None = None, capacity_slots: int | None = None) -> Requests:
+  """The requests for `prompt_ids` (token-id lists), checked against `decoder` (`check_prompts`).
+
+  Prompts are right-padded to their bucket (`prompt_bucket`, or `width`); the capacity is what the widest
+  needs (`capacity`), or `capacity_slots` (a running batch's, for rows inserted into it). Rows stop at the
+  target's EOS tokens, or at `stop_ids` (one list, or one per row), or at none with `ignore_eos`."""
+  check_prompts(decoder, prompt_ids, max_new_tokens)
+  batch, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
+  width = width or prompt_bucket(longest)
+  if width < longest:
+    raise ValueError(f"a prompt of {longest} tokens does not fit a width of {width}")
+  prompts_BxP = np.zeros((batch, width), np.int32)
+  for b, ids in enumerate(prompt_ids):
+    prompts_BxP[b, :len(ids)] = ids
+  stops = () if ignore_eos else decoder.target_config.stop_ids if stop_ids is None else stop_ids
+  slots = capacity_slots or capacity(width, max_new_tokens, decoder.headroom)
+  return Requests(prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(p) for p in prompt_ids], np.int32),
+                  max_new_tokens_B=np.full((batch,), max_new_tokens, np.int32),
+                  sampling=sampling_arrays(sampling, batch), seeds_B=seed_array(seed, batch),
+                  stop_BxE=stop_table(stops, batch), capacity=slots)
