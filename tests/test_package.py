@@ -74,10 +74,11 @@ def _modules_after(code: str) -> set[str]:
   return {m.split(".")[0] for m in out.split()}
 
 
-def test_the_decode_loop_imports_no_checkpoint_or_tokenizer_machinery():
+def test_the_decode_loop_imports_no_checkpoint_tokenizer_or_training_machinery():
   loaded = _modules_after("import jspec.decode")
   assert "jax" in loaded
-  assert not loaded & {"orbax", "tokenizers", "transformers", "torch"}
+  assert not loaded & {"orbax", "tokenizers", "transformers", "torch", "optax"}
+  assert "optax" not in _modules_after("import jspec.drafters")
 
 
 def test_help_and_version_answer_without_jax():

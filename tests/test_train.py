@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import continuations, data, tokenizer, train
+from jspec import tokenizer
+from jspec.training import continuations, data, train
 
 TINY_MODEL = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "mlp_dim": 64,
               "max_seq_len": 256}

@@ -1,0 +1,79 @@
+"""Training data a draft learns the target's own text from: the target's continuations of corpus windows.
+
+A draft distilled only on the corpus sees human-written contexts, but at inference every context past the
+prompt is the target's own output. Sequence-level distillation (as in DistillSpec) closes that gap: the
+target continues random windows of the training split, and the draft is then distilled (KL to the
+target, computed on the fly by `jspec.train`) on those sequences. Greedy continuations match greedy
+decoding; sampled ones (temperature 1) keep the data varied and match sampled decoding.
+
+`python -m jspec.continuations --target checkpoints/code-target --data data/code --out data/code-continuations`
+writes `train.npy` (every prompt window and its continuation, each followed by EOS) and copies the
+source's validation split and tokenizer, so validation stays on the corpus.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shutil
+
+import numpy as np
+from tqdm import tqdm
+
+from jspec import api, loading
+from jspec.training import data
+
+
+def prompt_windows(stream: np.ndarray, count: int, length: int, seed: int) -> list[list[int]]:
+  """`count` windows of `length` tokens at random offsets of a token stream, seeded."""
+  starts = np.random.default_rng(seed).integers(0, len(stream) - length, size=count)
+  return [stream[s:s + length].astype(np.int32).tolist() for s in starts]
+
+
+def continue_windows(target, windows: list[list[int]], new_tokens: int, temperature: float, seed: int,
+                     batch: int) -> np.ndarray:
+  """Each window followed by the target's continuation (ending at EOS or after `new_tokens`) and an EOS,
+  joined into one stream; row r samples with seed + r."""
+  eos = target.config.stop_ids[0]
+  out = []
+  for i in tqdm(range(0, len(windows), batch), desc=f"continuing at temperature {temperature:g}"):
+    group = windows[i:i + batch]
+    result = api.generate(target, group, max_new_tokens=new_tokens, temperature=temperature, seed=seed + i)
+    for window, ids in zip(group, result.token_ids):
+      out.extend(window)
+      out.extend(t for t in ids if t != eos)
+      out.append(eos)
+  return np.asarray(out, np.uint16 if target.config.vocab_size <= 65536 else np.int32)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m jspec.continuations")
+  ap.add_argument("--target", required=True, help="the model whose continuations to write")
+  ap.add_argument("--data", default="data/code", help="token shards (`python -m jspec.data`) to draw prompts from")
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--sequences", type=int, default=4096, help="windows continued at each temperature")
+  ap.add_argument("--prompt-len", type=int, default=64)
+  ap.add_argument("--new-tokens", type=int, default=192)
+  ap.add_argument("--temperatures", default="0,1", help="comma-separated; each continues its own windows")
+  ap.add_argument("--batch", type=int, default=64, help="rows decoded together")
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args(argv)
+  source, out = pathlib.Path(args.data), pathlib.Path(args.out)
+  target = loading.load(args.target)
+  stream = np.load(data.shard_path(source, "train"))
+  temperatures = [float(t) for t in args.temperatures.split(",")]
+  parts = []
+  for i, temperature in enumerate(temperatures):
+    windows = prompt_windows(stream, args.sequences, args.prompt_len, args.seed + i)
+    parts.append(continue_windows(target, windows, args.new_tokens, temperature, args.seed + i * args.sequences,
+                                  args.batch))
+  out.mkdir(parents=True, exist_ok=True)
+  train = np.concatenate(parts)
+  np.save(data.shard_path(out, "train"), train)
+  shutil.copy(data.shard_path(source, "validation"), data.shard_path(out, "validation"))
+  shutil.copy(source / "tokenizer.json", out / "tokenizer.json")
+  print(f"{out}: {len(train):,} training tokens from {args.sequences} windows at each of {temperatures}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

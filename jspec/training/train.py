@@ -1,0 +1,204 @@
+"""Training with optax: language models, distilled draft models, and Medusa/EAGLE heads.
+
+`python -m jspec.train --config configs/NAME.json`. The config names the data directory (token shards and
+tokenizer from `python -m jspec.data`), the optimizer schedule, and what to train:
+- `model`: a language model; with a `teacher` checkpoint it is distilled: KL(teacher || student) with the
+  teacher's distribution computed on the fly, plus `ce_weight` times cross-entropy on the data;
+- `drafter` ("medusa" or "eagle") with a frozen `target` checkpoint and `heads` options: heads trained on
+  the target's own features and distributions (see each drafter's `loss`).
+An orbax CheckpointManager in `workdir` keeps the latest steps, and a rerun of the same command resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from jspec import checkpoint, drafters, model, registry
+from jspec.config import ModelConfig
+from jspec.loading import load
+from jspec.tokenizer import EOS_TOKEN, load_tokenizer, same_vocab
+from jspec.training import data, losses
+
+
+def loss_fn(params, batch_BxS1, config: ModelConfig, teacher=None, ce_weight: float = 1.0):
+  """Returns (loss, cross-entropy). With a teacher (params, config), loss = KL + ce_weight * CE."""
+  inputs, targets = batch_BxS1[:, :-1], batch_BxS1[:, 1:]
+  logits, _ = model.forward_full(params, inputs, config)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  ce = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+  if teacher is None:
+    return ce, ce
+  t_params, t_config = teacher
+  return losses.kl(model.forward_full(t_params, inputs, t_config)[0], logits) + ce_weight * ce, ce
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  description: str
+  init: Callable[[jax.Array], Any]  # key -> parameters
+  loss: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]  # (params, batch [B,S+1]) -> (loss, metric)
+  metric: str  # the validation metric's name in the log
+  save: Callable[[Any, pathlib.Path], None]
+
+
+def model_task(cfg: dict, tok) -> Task:
+  config = ModelConfig.from_dict({**cfg["model"], "vocab_size": tok.get_vocab_size(),
+                                  "eos_id": tok.token_to_id(EOS_TOKEN)})
+  teacher = None
+  if cfg.get("teacher"):
+    t = load(cfg["teacher"])
+    if not same_vocab(t.tokenizer, tok):
+      raise SystemExit("the teacher's tokenizer differs from the data's")
+    teacher = (t.params, t.config)
+  ce_weight = cfg.get("ce_weight", 1.0)
+  return Task(
+      description=f"{config.n_layers} layers, width {config.dim}",
+      init=lambda key: model.init_params(config, key),
+      loss=lambda params, batch: loss_fn(params, batch, config, teacher, ce_weight) if teacher
+      else loss_fn(params, batch, config),
+      metric="validation_ce",
+      save=lambda params, out: checkpoint.save(model.Model(config, params, tok), out,
+                                               storage_dtype="bfloat16"))
+
+
+def heads_task(cfg: dict, tok) -> Task:
+  """Heads (Medusa, EAGLE, or any drafter whose `for_training` builds one) on a frozen target, trained with
+  the drafter's own `loss`; the metric is that loss on validation data."""
+  target = load(cfg["target"])
+  if not same_vocab(target.tokenizer, tok):
+    raise SystemExit("the target's tokenizer differs from the data's")
+  opts = cfg.get("heads", {})
+  try:
+    drafter = registry.drafter_class(cfg["drafter"]).for_training(target.config, opts)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
+
+  def loss(params, batch_BxS1):
+    tokens = batch_BxS1[:, :-1]
+    logits, hidden = jax.lax.stop_gradient(model.forward_full(target.params, tokens, target.config))
+    key = jax.random.fold_in(jax.random.PRNGKey(0), jnp.sum(batch_BxS1))  # noise varies with the batch
+    value = drafter.loss(drafters.DraftWeights(params, target.params), hidden, logits, tokens, key, opts)
+    return value, value
+
+  return Task(description=f"{drafter.kind} heads on {cfg['target']}", init=drafter.init_params, loss=loss,
+              metric="validation_loss",
+              save=lambda params, out: checkpoint.save_heads(drafters.Heads(drafter, params), out,
+                                                           storage_dtype="bfloat16"))
+
+
+def make_optimizer(cfg: dict) -> optax.GradientTransformation:
+  """AdamW with linear warmup, cosine decay to 10%, and global-norm clipping."""
+  warmup = min(cfg["warmup_steps"], max(cfg["steps"] // 10, 1))  # short smoke runs still decay
+  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg["lr"], warmup, cfg["steps"],
+                                                end_value=cfg["lr"] * 0.1)
+  return optax.chain(optax.clip_by_global_norm(cfg.get("clip", 1.0)),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.get("weight_decay", 0.1)))
+
+
+def batch_at(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
+  """The batch of a given step: random windows drawn from (seed, step), so a resumed run sees the same data."""
+  starts = np.random.default_rng([seed, step]).integers(0, len(stream) - seq_len - 1, size=batch)
+  return np.stack([stream[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def load_shards(directory: pathlib.Path) -> dict[str, np.ndarray]:
+  if not data.shard_path(directory, "train").is_file():
+    raise SystemExit(f"no token shards in {directory}: run `python -m jspec.data --out {directory}` first")
+  return {s: np.load(data.shard_path(directory, s)) for s in ("train", "validation")}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m jspec.train")
+  ap.add_argument("--config", required=True)
+  ap.add_argument("--steps", type=int, help="override the configured step count (smoke runs)")
+  ap.add_argument("--workdir", help="override the configured workdir")
+  ap.add_argument("--init-from", metavar="DIR",
+                  help="start from these saved weights (a checkpoint of the model trained) at --start-step, with "
+                       "a fresh optimizer state: a run continued on a machine without its workdir")
+  ap.add_argument("--start-step", type=int, default=0, help="with --init-from: the schedule's step to resume at")
+  ap.add_argument("--save-latest", action="store_true",
+                  help="write the weights of the workdir's latest step to the configured output and stop (its step "
+                       "is in train_log.json; --init-from continues from there)")
+  args = ap.parse_args(argv)
+  cfg = json.loads(pathlib.Path(args.config).read_text())
+  tcfg = dict(cfg["train"], **({"steps": args.steps} if args.steps else {}))
+  data_dir = pathlib.Path(cfg["data"])
+  tok = load_tokenizer(data_dir)
+  task = heads_task(cfg, tok) if cfg.get("drafter") else model_task(cfg, tok)
+  shards = load_shards(data_dir)
+  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(task.init, jax.random.PRNGKey(0))))
+  print(f"{task.description}: {num_params:,} parameters; train {len(shards['train']):,} tokens, "
+        f"validation {len(shards['validation']):,}", flush=True)
+
+  opt = make_optimizer(tcfg)
+  seed = tcfg.get("seed", 0)
+  params = task.init(jax.random.PRNGKey(seed))
+  state = {"params": params, "opt_state": opt.init(params)}
+  workdir = pathlib.Path(args.workdir or cfg["workdir"]).absolute()
+  manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(
+      max_to_keep=2, save_interval_steps=tcfg.get("save_every", 200)))
+  start_step = 0
+  if args.init_from and manager.latest_step() is None:
+    init = load(args.init_from).params
+    if jax.tree.structure(init) != jax.tree.structure(params):
+      raise SystemExit(f"{args.init_from} holds other weights than this config trains")
+    start_step = args.start_step
+    state = {"params": init, "opt_state": opt.init(init)}
+    print(f"starting from {args.init_from} at step {start_step}, with a fresh optimizer state", flush=True)
+  elif manager.latest_step() is not None:
+    start_step = manager.latest_step()
+    state = manager.restore(start_step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+    print(f"resumed from step {start_step} in {workdir}", flush=True)
+
+  @jax.jit
+  def train_step(state, batch):
+    grad_fn = jax.value_and_grad(task.loss, has_aux=True)
+    (loss, _), grads = grad_fn(state["params"], batch)
+    updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+
+  eval_metric = jax.jit(lambda params, batch: task.loss(params, batch)[1])
+  val_batches = [batch_at(shards["validation"], i, tcfg["batch"], tcfg["seq_len"], seed + 1) for i in range(8)]
+  validate = lambda: float(np.mean([eval_metric(state["params"], b) for b in val_batches]))
+
+  tokens_per_step = tcfg["batch"] * tcfg["seq_len"]
+  last = start_step if args.save_latest else tcfg["steps"]
+  bar = tqdm(range(start_step, last), desc="train", initial=start_step, total=tcfg["steps"])
+  start, val, history = time.perf_counter(), float("nan"), []
+  if start_step == 0 and not args.save_latest:
+    history.append({"step": 0, task.metric: validate()})
+  for step in bar:
+    state, loss = train_step(state, batch_at(shards["train"], step, tcfg["batch"], tcfg["seq_len"], seed))
+    done = step + 1
+    if done % tcfg.get("eval_every", 200) == 0 or done == last:
+      val = validate()
+      history.append({"step": done, task.metric: val})
+    manager.save(done, args=ocp.args.StandardSave(state))
+    if step % 10 == 0 or done == last:
+      rate = tokens_per_step * (done - start_step) / (time.perf_counter() - start)
+      bar.set_postfix(loss=f"{float(loss):.3f}", val=f"{val:.3f}", tok_s=f"{rate:.0f}")
+  manager.wait_until_finished()
+  out = pathlib.Path(cfg["out"])
+  task.save(state["params"], out)
+  val = validate()
+  log = {task.metric: val, "steps": last, "tokens_seen": last * tokens_per_step,
+         "wall_seconds_this_run": time.perf_counter() - start, "history": history}
+  (out / "train_log.json").write_text(json.dumps(log, indent=2))
+  print(f"saved {out}: {task.metric} {val:.3f}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
