@@ -1,23 +1,25 @@
-"""The prepared accelerator check runs end to end on tiny shapes (`--smoke`), on whatever backend this is."""
+"""The prepared accelerator check (`python -m jspec.bench --suite gpu`) runs end to end on tiny shapes
+(`--smoke`), on whatever backend this is, and its figures are sane: ratios of positive times, exact checks."""
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
-
-import gpu_check  # noqa: E402
+from jspec.bench.__main__ import main
 
 
 def test_gpu_check_smoke_run_writes_every_section(tmp_path):
-  out = tmp_path / "check.json"
-  assert gpu_check.main(["--smoke", "--out", str(out)]) == 0
-  result = json.loads(out.read_text())
+  assert main(["--suite", "gpu", "--smoke", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "bench.json").read_text())
+  assert result["suite"] == "gpu" and result["ok"] and "partial" not in result
   sections = result["sections"]
   assert set(sections) == {"lossless", "target", "verify", "rounds", "shipped"}
+  assert all(s["seconds"] > 0 for s in sections.values())
   lossless = sections["lossless"]
   assert lossless["greedy_speculative_equals_plain"] and lossless["greedy_equals_full_forward_argmax"]
   assert lossless["two_token_law_exact"] and lossless["cached_forward_matches"]
-  assert 0 < sections["target"]["bound_over_measured"] and sections["target"]["ar_ms_per_token"] > 0
-  assert sections["verify"]["verify_over_step"]["1"] == 1.0 and len(sections["verify"]["verify_over_step"]) == 4
+  target = sections["target"]
+  assert target["ar_ms_per_token"] > 0 and target["weight_streaming_bound_ms"] > 0 and target["bandwidth_gb_s"] > 0
+  assert abs(target["bound_over_measured"] - target["weight_streaming_bound_ms"] / target["ar_ms_per_token"]) < 1e-9
+  curve = sections["verify"]["verify_over_step"]
+  assert set(curve) == {"1", "2", "4", "8"} and curve["1"] == 1.0 and all(v > 0 for v in curve.values())
   assert set(sections["rounds"]["round_in_target_steps"]) == {"2"}
+  assert sections["rounds"]["round_in_target_steps"]["2"] > 0
   assert sections["shipped"]["greedy_identical"] and sections["shipped"]["speedup"] > 0

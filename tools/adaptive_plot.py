@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-import jspec  # noqa: E402
-from jspec import shipped  # noqa: E402
-from jspec.settings import DRAFTERS, AdaptiveConfig, SpecConfig  # noqa: E402
+import jspec
+from jspec import shipped
+from jspec.settings import DRAFTERS, AdaptiveConfig, SpecConfig
 
 PROMPT = ('def load_settings(path):\n    """Read the settings file.\n\n    This paragraph is plain English, the '
           'kind of long explanation a careful author writes when the behaviour is surprising. Settings come '

@@ -11,16 +11,13 @@ import pathlib
 import subprocess
 import sys
 
-from bench import interleaved
-
 import jspec
+from jspec.bench.timing import interleaved
 from jspec.tokenizer import encode
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def to_hf(src: str | pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-  subprocess.run([sys.executable, "-m", "jspec.convert", "--to-hf", str(src), str(out)], check=True, cwd=REPO,
+  subprocess.run([sys.executable, "-m", "jspec.convert", "--to-hf", str(src), str(out)], check=True,
                  stdout=subprocess.DEVNULL)
   return out
 

@@ -1,7 +1,7 @@
-"""The sweep's Markdown tables and PNG plots (matplotlib), from the JSON that `tools/bench.py` writes.
+"""The sweep's Markdown tables and PNG plots (matplotlib), from the JSON that `python -m jspec.bench` writes.
 
-  python tools/bench_report.py bench-out/bench.json --out docs/bench   # again, from a saved run
-  python tools/bench_report.py a/bench.json b/bench.json --out docs/bench   # runs merged; b's cells win
+  python -m jspec.bench.report bench-out/bench.json --out docs/bench   # again, from a saved run
+  python -m jspec.bench.report a/bench.json b/bench.json --out docs/bench   # runs merged; b's cells win
 """
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def merge(results: list[dict]) -> dict:
 
 
 def main() -> int:
-  """`python tools/bench_report.py BENCH_JSON --out DIR`: the tables and plots again, from a saved run."""
+  """`python -m jspec.bench.report BENCH_JSON --out DIR`: the tables and plots again, from a saved run."""
   import argparse
   import json
   ap = argparse.ArgumentParser(description=main.__doc__)

@@ -1,7 +1,7 @@
 """A prepared accelerator check: one command, one JSON file, under 8 minutes on one H100/H200-class GPU.
 
-  PYTHONPATH=. python3 tools/gpu_check.py --out gpu-check.json   # on a machine with one GPU, no network
-  python tools/gpu_check.py --smoke --out /tmp/gpu-check.json     # tiny shapes, any backend (CI runs it)
+  python -m jspec.bench --suite gpu --out gpu-check      # on a machine with one GPU, no network
+  python -m jspec.bench --suite gpu --smoke --out check  # tiny shapes, any backend (the tests run it)
 
 Sections, each timed and recorded even when a later one fails or the budget runs out:
 - lossless: the losslessness checks that matter, on this device: greedy speculative decoding equals plain
@@ -16,30 +16,25 @@ Sections, each timed and recorded even when a later one fails or the budget runs
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
-import json
-import pathlib
 import sys
 import time
 import traceback
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from bench import interleaved, step_loop  # noqa: E402
-from jax import lax  # noqa: E402
-
-import jspec  # noqa: E402
-from jspec import cache as kvcache  # noqa: E402
-from jspec import decode, engine, model, pairing, shipped, testing  # noqa: E402
-from jspec.config import ModelConfig, num_params  # noqa: E402
-from jspec.settings import SpecConfig  # noqa: E402
-from jspec.tokenizer import byte_tokenizer  # noqa: E402
+import jspec
+from jspec import cache as kvcache
+from jspec import decode, engine, model, pairing, shipped, testing
+from jspec.bench.parts import step_loop
+from jspec.bench.timing import interleaved
+from jspec.config import ModelConfig, num_params
+from jspec.request import make_requests
+from jspec.settings import SpecConfig
+from jspec.tokenizer import byte_tokenizer
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                         mlp_dim=14336, rope_theta=500000.0, tie_embeddings=False, max_seq_len=8192,
@@ -104,13 +99,8 @@ def target_section(config: ModelConfig, params, smoke: bool) -> dict:
   m = jspec.Model(config, params, TOKENIZER)
   prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
   decoder = pairing.make_decoder(m, None, None, 1)
-  width = engine.prompt_bucket(len(prompt[0]))
-  requests = decode.Requests(np.pad(np.asarray(prompt, np.int32), ((0, 0), (0, width - len(prompt[0])))),
-                             np.asarray([len(prompt[0])], np.int32), np.asarray([new], np.int32),
-                             engine.as_sampling(0.0, 0, 1.0, 1), np.zeros((1,), np.uint32),
-                             decode.stop_ids(config, 1, ignore_eos=True))
-  capacity = kvcache.round_capacity(decode.required_capacity(width, new, 0))
-  executable, compile_s = engine.compiled_run(decoder, requests, capacity)
+  requests = make_requests(decoder, prompt, new, ignore_eos=True)
+  executable, compile_s = engine.compiled_run(decoder, requests)
   first = requests.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
   t = interleaved({"decode": lambda: jax.block_until_ready(executable(decoder, requests)),
                    "first": lambda: jax.block_until_ready(executable(decoder, first))}, 1 if smoke else 3)
@@ -132,14 +122,11 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
   target = jspec.Model(target_config, target_params, TOKENIZER)
   draft = jspec.Model(draft_config, init_on_device(draft_config, 1), TOKENIZER)
   out = {"draft_params": num_params(draft_config), "round_in_target_steps": {}}
-  prompt = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (1, 256)), jnp.int32)
+  prompt = np.random.default_rng(0).integers(0, target_config.vocab_size, (1, 256)).tolist()
   for k in ((2,) if smoke else (2, 4, 8)):
     decoder = pairing.make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
-    decoder = decoder.replace(target_params=model.with_head(decoder.target_params))
-    requests = decode.Requests(prompt, jnp.full((1,), 256, jnp.int32), jnp.full((1,), 10 ** 6, jnp.int32),
-                               engine.as_sampling(0.0, 0, 1.0, 1), jnp.zeros((1,), jnp.uint32),
-                               decode.stop_ids(target_config, 1, ignore_eos=True))
-    state = jax.jit(functools.partial(decode.start, capacity=512))(decoder, requests)
+    requests = make_requests(decoder, prompt, 8, ignore_eos=True, capacity_slots=512)
+    state = jax.jit(decode.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
 
     def timed(step, state=state, decoder=decoder):
       run = jax.jit(lambda s: lax.fori_loop(0, 8, lambda i, s: step(decoder, s), s).seq_lens)
@@ -165,21 +152,14 @@ def shipped_section(smoke: bool) -> dict:
           "max_new_tokens": new}
 
 
-def to_json(result: dict) -> str:
-  return json.dumps(result, indent=2, default=lambda x: x.item() if hasattr(x, "item") else str(x))
-
-
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default="gpu-check.json")
-  ap.add_argument("--smoke", action="store_true", help="tiny shapes, for a check of the script itself")
-  ap.add_argument("--budget", type=float, default=420.0, help="seconds; later sections are skipped past it")
-  args = ap.parse_args(argv)
+def check(smoke: bool, budget: float, save) -> dict:
+  """Runs each section in turn, recording its result (or its error) and its seconds, and calling
+  `save(result)` after each; sections past `budget` seconds are skipped."""
   start = time.perf_counter()
   result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
-            "smoke": args.smoke, "sections": {}}
-  target_config = dataclasses.replace(SMOKE_TARGET, dtype="bfloat16") if args.smoke else LLAMA3_8B
-  draft_config = dataclasses.replace(SMOKE_DRAFT, dtype="bfloat16") if args.smoke else LLAMA32_1B
+            "smoke": smoke, "sections": {}}
+  target_config = dataclasses.replace(SMOKE_TARGET, dtype="bfloat16") if smoke else LLAMA3_8B
+  draft_config = dataclasses.replace(SMOKE_DRAFT, dtype="bfloat16") if smoke else LLAMA32_1B
   state = {}
 
   def target_params():
@@ -188,14 +168,14 @@ def main(argv=None) -> int:
     return state["params"]
 
   sections = {
-      "lossless": lambda: lossless(args.smoke),
-      "target": lambda: target_section(target_config, target_params(), args.smoke),
-      "verify": lambda: verify_section(target_config, target_params(), args.smoke),
-      "rounds": lambda: rounds_section(target_config, target_params(), draft_config, args.smoke),
-      "shipped": lambda: shipped_section(args.smoke)}
+      "lossless": lambda: lossless(smoke),
+      "target": lambda: target_section(target_config, target_params(), smoke),
+      "verify": lambda: verify_section(target_config, target_params(), smoke),
+      "rounds": lambda: rounds_section(target_config, target_params(), draft_config, smoke),
+      "shipped": lambda: shipped_section(smoke)}
   for name, run in sections.items():
-    if time.perf_counter() - start > args.budget:
-      result["sections"][name] = {"skipped": f"over the {args.budget:.0f} s budget"}
+    if time.perf_counter() - start > budget:
+      result["sections"][name] = {"skipped": f"over the {budget:.0f} s budget"}
       continue
     t0 = time.perf_counter()
     try:
@@ -203,13 +183,8 @@ def main(argv=None) -> int:
     except Exception as e:  # a failed section is recorded; the others still run
       result["sections"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     result["sections"][name]["seconds"] = time.perf_counter() - t0
-    pathlib.Path(args.out).write_text(to_json(result))
+    save(result)
     print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   result["seconds"] = time.perf_counter() - start
-  pathlib.Path(args.out).write_text(to_json(result))
-  print(to_json(result))
-  return 0 if all("error" not in s for s in result["sections"].values()) else 1
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
+  result["ok"] = all("error" not in s for s in result["sections"].values())
+  return result

@@ -1,0 +1,148 @@
+"""What a user gets end to end: the defaults against plain decoding, adaptive K against fixed K, streaming's
+cost, and continuous batching against static batches."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import numpy as np
+
+import jspec
+from jspec import pairing, shipped
+from jspec.bench.parts import Models, shipped_pair
+from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
+from jspec.bench.timing import interleaved
+from jspec.settings import AdaptiveConfig, SpecConfig
+
+
+def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
+  """Adaptive K (K_max 6) against every fixed K on code, and fallback on prose, each against AR, batch 1,
+  greedy, interleaved per prompt, with the drafter's measured cost model (from its checkpoint)."""
+  variants = {f"fixed{k}": dict(draft_len=k, spec=SpecConfig(drafter=kind, adaptive=None)) for k in (2, 3, 4, 5, 6)}
+  variants["adaptive"] = dict(draft_len=6, spec=SpecConfig(drafter=kind, adaptive=AdaptiveConfig()))
+  variants["adaptive_no_fallback"] = dict(draft_len=6, spec=SpecConfig(
+      drafter=kind, adaptive=AdaptiveConfig(fallback_threshold=0.0)))
+  cost = pairing.make_decoder(target, draft, variants["adaptive"]["spec"], 1).spec.adaptive.cost
+  costs = dict(cost_ratio=cost.cost_ratio, verify_cost=cost.verify_cost, round_overhead=cost.round_overhead)
+  out = {"drafter": kind, **costs, "max_new_tokens": max_new, "sets": {}}
+  for name, prompts in [("code", heldout_prompts(prompts_per_set)), ("prose", prose_prompts(prompts_per_set))]:
+    walls = {k: 0.0 for k in ["ar", *variants]}
+    stats = {k: [] for k in variants}
+    for p in prompts:
+      fns = {"ar": lambda: jspec.generate(target, [p], max_new_tokens=max_new)}
+      for v, kw in variants.items():
+        fns[v] = lambda kw=kw: jspec.generate(target, [p], draft=draft, max_new_tokens=max_new, **kw)
+      for k, t in interleaved(fns, repeats).items():
+        walls[k] += t
+      for v, kw in variants.items():
+        stats[v].append(jspec.generate(target, [p], draft=draft, max_new_tokens=max_new, **kw).stats)
+    rows = {}
+    for v in variants:
+      st = stats[v]
+      counts = {}
+      for s in st:
+        for k, n in s.draft_len_counts.items():
+          counts[k] = counts.get(k, 0) + n
+      rows[v] = {"speedup_over_ar": walls["ar"] / walls[v],
+                 "tau": sum(s.emitted_tokens for s in st) / sum(s.rounds for s in st),
+                 "fallback_rounds": sum(s.fallback_rounds for s in st),
+                 "probe_rounds": sum(s.probe_rounds for s in st), "draft_len_counts": counts}
+    best_fixed = max((v for v in variants if v.startswith("fixed")), key=lambda v: rows[v]["speedup_over_ar"])
+    # The cost model's calibration: a round of K drafts took tau / speedup AR steps; fit 1 + o + K (c + v).
+    ks = [int(v[5:]) for v in variants if v.startswith("fixed")]
+    slope, intercept = np.polyfit(ks, [rows[f"fixed{k}"]["tau"] / rows[f"fixed{k}"]["speedup_over_ar"] for k in ks], 1)
+    out["sets"][name] = {"rows": rows, "best_fixed": best_fixed, "fitted_round_overhead": intercept - 1,
+                         "fitted_cost_per_draft_token": slope,
+                         "adaptive_over_best_fixed": rows["adaptive"]["speedup_over_ar"]
+                         / rows[best_fixed]["speedup_over_ar"]}
+    print(json.dumps({name: out["sets"][name]}), file=sys.stderr)
+  return out
+
+
+def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
+                   draft_lens: tuple[int, ...] = (), other_drafters: tuple[str, ...] = ()) -> dict:
+  """What a user gets: `jspec.generate` with every default (the default drafter and its shipped weights,
+  adaptive speculation with the checkpoint's cost model), greedy, against plain decoding, interleaved per
+  batch of prompts: each held-out code and English prose prompt alone, and held-out code in batches of 4.
+  Every row decodes `max_new` tokens (EOS ignored), so both sides do the same work. Each of `draft_lens`
+  is also timed as the longest draft in the same interleaving (what another default `draft_len` would give),
+  and each of `other_drafters` with its shipped weights and otherwise default settings (another default
+  drafter)."""
+  target, draft = shipped_pair(pair, shipped.DEFAULT_DRAFTER)  # the CLI's default drafter
+  kw = dict(max_new_tokens=max_new, ignore_eos=True)
+  variants = {"spec": dict(draft=draft), **{f"spec_k{k}": dict(draft=draft, draft_len=k) for k in draft_lens},
+              **{f"spec_{kind}": dict(draft=shipped_pair(pair, kind)[1], spec=SpecConfig(drafter=kind))
+                 for kind in other_drafters}}
+  others = [f"k{k}" for k in draft_lens] + list(other_drafters)
+  out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
+  for name, batch in (("code", 1), ("prose", 1), ("code", 4)):
+    prompts = PROMPT_SETS[name](count)
+    rows, last = [], {}
+    for group in (prompts[i:i + batch] for i in range(0, len(prompts), batch)):
+      run = lambda name, g=group, **extra: last.__setitem__(name, jspec.generate(target, g, **kw, **extra))
+      fns = {"ar": lambda: run("ar"), **{v: lambda v=v: run(v, **variants[v]) for v in variants}}
+      t = interleaved(fns, repeats)
+      ar, spec = last["ar"], last["spec"]
+      rows.append({"prompts": len(group), "speedup": t["ar"] / t["spec"], "tau": spec.stats.mean_accepted_length,
+                   "acceptance_rate": spec.stats.acceptance_rate, "plain_forwards": spec.stats.plain_forwards,
+                   "draft_len_counts": spec.stats.draft_len_counts,
+                   "greedy_identical": all(last[v].token_ids == ar.token_ids for v in variants),
+                   **{f"speedup_{x}": t["ar"] / t[f"spec_{x}"] for x in others},
+                   **{f"tau_{kind}": last[f"spec_{kind}"].stats.mean_accepted_length for kind in other_drafters}})
+      print(json.dumps({"set": name, "batch": batch, **rows[-1]}), file=sys.stderr)
+    summary = lambda key: {f"median_{key}": statistics.median(r[key] for r in rows),
+                           f"min_{key}": min(r[key] for r in rows), f"max_{key}": max(r[key] for r in rows)}
+    out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows, **summary("speedup"),
+                                           **{k: v for x in others for k, v in summary(f"speedup_{x}").items()}}
+  return out
+
+
+def suite_stream(pair: Models, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
+  """What streaming costs: the shipped pair with default settings, decoded in one loop (`jspec.generate`)
+  against segments of R rounds (`jspec.stream`, every delta consumed), interleaved, at batch 1 and 4."""
+  target, draft = shipped_pair(pair, kind)
+  prompts = heldout_prompts(prompts_per_set)
+  out = {"drafter": kind, "max_new_tokens": max_new, "batches": {}}
+  for batch in (1, 4):
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    fns = {"loop": lambda: [jspec.generate(target, g, draft=draft, max_new_tokens=max_new) for g in groups]}
+    for rounds in (4, 8, 16, 32):
+      fns[f"segments_of_{rounds}"] = lambda r=rounds: [
+          list(jspec.stream(target, g, draft=draft, max_new_tokens=max_new, segment_rounds=r)) for g in groups]
+    t = interleaved(fns, repeats)
+    out["batches"][batch] = {f"{k}_throughput_vs_loop": t["loop"] / v for k, v in t.items() if k != "loop"}
+    print(json.dumps({batch: out["batches"][batch]}), file=sys.stderr)
+  return out
+
+
+def suite_batching(pair: Models, kind: str, max_new: int, repeats: int, count: int, slots: int = 8) -> dict:
+  """Continuous batching against static batches of `slots` prompts (both speculative, default settings)
+  and static plain decoding: tokens/s over `count` held-out prompts that stop at their natural EOS."""
+  target, draft = shipped_pair(pair, kind)
+  prompts = varied_heldout_prompts(count)
+  groups = [prompts[i:i + slots] for i in range(0, len(prompts), slots)]
+  emitted = {}
+
+  def static(**kw):
+    return sum(r.stats.emitted_tokens for r in (jspec.generate(target, g, max_new_tokens=max_new, **kw)
+                                                 for g in groups))
+
+  def continuous():
+    stream = jspec.stream(target, prompts, draft=draft, max_new_tokens=max_new, batch_size=slots)
+    for _ in stream:
+      pass
+    return stream.stats.emitted_tokens
+
+  fns = {"static_plain": lambda: emitted.__setitem__("static_plain", static()),
+         "static_speculative": lambda: emitted.__setitem__("static_speculative", static(draft=draft)),
+         "continuous_speculative": lambda: emitted.__setitem__("continuous_speculative", continuous())}
+  t = interleaved(fns, repeats)
+  tps = {k: emitted[k] / v for k, v in t.items()}
+  out = {"drafter": kind, "prompts": count, "slots": slots, "max_new_tokens": max_new,
+         "emitted_tokens": emitted, "tokens_per_second": tps,
+         "continuous_over_static": tps["continuous_speculative"] / tps["static_speculative"],
+         "static_speculative_over_plain": tps["static_speculative"] / tps["static_plain"],
+         "continuous_over_static_plain": tps["continuous_speculative"] / tps["static_plain"]}
+  print(json.dumps(out), file=sys.stderr)
+  return out
