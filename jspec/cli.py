@@ -171,19 +171,28 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
   prompts = list(args.prompt)
   if args.prompt_file:
     try:
-      lines = pathlib.Path(args.prompt_file).read_text().splitlines()
+      lines = pathlib.Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
     except OSError as e:
       raise ValueError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{args.prompt_file}: not UTF-8 text (byte {e.start})") from None
     for i, line in enumerate(lines):
+      where = f"{args.prompt_file}:{i + 1}"
       if line.lstrip().startswith("{"):
         try:
-          prompts.append(str(json.loads(line)["prompt"]))
+          prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
-          raise ValueError(f"{args.prompt_file}:{i + 1}: not a JSON object with a \"prompt\" field") from None
+          raise ValueError(f"{where}: not a JSON object with a \"prompt\" field") from None
+        if not isinstance(prompt, str):
+          raise ValueError(f"{where}: \"prompt\" must be a string, got {type(prompt).__name__}")
+        prompts.append(prompt)
       elif line.strip():
         prompts.append(line.replace("\\n", "\n"))
   if not prompts:
     raise ValueError("no prompt given: use --prompt TEXT or --prompt-file FILE")
+  empty = next((i for i, p in enumerate(prompts) if not p), None)
+  if empty is not None:
+    raise ValueError(f"prompt {empty} is empty")
   return prompts
 
 
@@ -248,8 +257,14 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
                   top_p=args.top_p, ignore_eos=args.ignore_eos, chat=args.chat)
   SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values fail before anything loads
   spec = speculation(args)
+  if args.max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
   if args.batch_size < 1:
     raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+  if args.output and not pathlib.Path(args.output).absolute().parent.is_dir():
+    raise ValueError(f"--output: no directory {pathlib.Path(args.output).absolute().parent}")
+  if args.output and pathlib.Path(args.output).is_dir():
+    raise ValueError(f"--output: {args.output} is a directory")
   if args.baseline and args.repeats < 1:
     raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
   if args.baseline and (args.output or args.stream or len(prompts) > args.batch_size):

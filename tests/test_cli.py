@@ -28,6 +28,8 @@ def ckpts(tmp_path_factory):
   (root / "corrupt" / "params" / "garbage").write_text("not a checkpoint")
   (root / "other.jsonl").write_text(json.dumps({"index": 0, "prompt": "another prompt", "text": ""}) + "\n")
   (root / "garbage.jsonl").write_text("not json\n")
+  (root / "number.jsonl").write_text('{"prompt": 5}\n')
+  (root / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
   return root
 
 
@@ -57,8 +59,12 @@ BAD = [
     (["--target", "/nonexistent/dir"], "no such checkpoint directory"),
     (["--target", "{root}/corrupt"], "cannot restore parameters"),
     (["--prompt", "x" * 2000], "exceeds the model's context"),
-    (["--prompt", ""], "prompt 0 is empty"),
-    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    # Settings and output paths are checked before anything loads (the target here does not exist).
+    (["--target", "/nonexistent/dir", "--prompt", ""], "prompt 0 is empty"),
+    (["--target", "/nonexistent/dir", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--target", "/nonexistent/dir", "--output", "{root}/no/such/dir/out.jsonl"], "--output: no directory"),
+    (["--prompt-file", "{root}/number.jsonl"], 'number.jsonl:1: "prompt" must be a string'),
+    (["--prompt-file", "{root}/latin1.txt"], "latin1.txt: not UTF-8 text"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
     (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
