@@ -14,10 +14,12 @@ adds one (K1 = K + 1, S1 = S + 1).
   Q  query heads per kv head (H / J)     Dh head dim
   X  cache rows, B * J                   N  layers
   C  target features a head drafter keeps (K + 1)
-  W  rounds in the adaptive acceptance window
+  E  stop tokens a row may end at         W  rounds in the adaptive acceptance window
   R  adaptive rounds recorded in a trace
   M  draft tree nodes (a tree verify feeds M1 = M + 1: the pending token and the nodes; see jspec.tree)
   L  tree depth (a path holds L1 = L + 1 entries)   A  tree entries fed so far in a round
+  G  children per tree node (the tree's top-k; Medusa's ranks)
+  Z  candidate nodes a dynamic tree grows before it keeps M
 """
 from __future__ import annotations
 

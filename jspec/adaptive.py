@@ -18,8 +18,8 @@ The batch shares one target forward, so the policy is per batch:
   target forward, and o what a speculative round costs beyond its forwards (verification, bookkeeping,
   the draft's catch-up), all in target steps at the batch's size (`CostModel.for_batch`). With r_i =
   alpha and o = v = 0 this is Leviathan's (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on a CPU o and v
-  are far from 0 (a 5-token verify costs 1.3-1.5 steps), and ignoring them picks drafts of the wrong
-  length. `initial_draft_len` until any row has data.
+  are far from 0 (a verify of a few tokens costs well over one step: docs/cpu-performance.md), and
+  ignoring them picks drafts of the wrong length. `initial_draft_len` until any row has data.
 - Fallback: when the mean windowed rate of the active rows whose window is full (W speculative rounds) is
   below `fallback_threshold`, or no K is expected to beat a plain step (a large batch, whose verify costs
   more), the round is a plain target step (branch 0); a rate from fewer rounds is too noisy to stop on

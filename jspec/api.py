@@ -18,8 +18,7 @@ from jspec.request import check_prompts, make_requests, seed_array
 from jspec.scheduler import SEGMENT_ROUNDS, Stream
 from jspec.settings import SamplingConfig, SpecConfig
 from jspec.stats import RequestStats, Stats
-from jspec.tokenizer import decode as detokenize
-from jspec.tokenizer import encode
+from jspec.tokenizer import detokenize, encode
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Checkpoint conversion.
 
-  python -m jspec.convert HF_DIR OUT_DIR            # a Hugging Face llama/qwen2/mistral directory -> jspec
+  python -m jspec.convert HF_DIR OUT_DIR            # a Hugging Face directory (jspec.hf.FAMILIES) -> jspec
   python -m jspec.convert --to-hf JSPEC_DIR OUT_DIR # a jspec checkpoint -> a Hugging Face Llama directory
 """
 from __future__ import annotations

@@ -82,26 +82,32 @@ class Decoder:
 
 @flax.struct.dataclass
 class DecodeState:
-  tokens: jax.Array  # [B, T] int32: prompt then emitted tokens; slots past seq_lens are stale
-  seq_lens: jax.Array  # [B] int32
-  prompt_lens: jax.Array  # [B] int32
-  max_new_tokens: jax.Array  # [B] int32
-  done: jax.Array  # [B] bool
-  keys: jax.Array  # [B, 2] uint32: one PRNG key per row
+  """What the loop carries from round to round (`jspec.decode` states its invariants)."""
+  tokens_BxT: jax.Array  # int32: prompt then emitted tokens; slots past seq_lens are stale
+  seq_lens_B: jax.Array  # int32: tokens held (prompt + emitted)
+  prompt_lens_B: jax.Array  # int32
+  max_new_tokens_B: jax.Array  # int32
+  done_B: jax.Array  # bool
+  keys_Bx2: jax.Array  # uint32: one PRNG key per row
   sampling: SamplingParams
   target_cache: kvcache.KVCache
   drafter_state: DrafterState
   stats: DecodeStats
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (none: no EOS, or EOS ignored)
 
+  # The unsuffixed names of the previous release, read-only, for one release.
+  tokens = property(lambda self: self.tokens_BxT)
+  seq_lens = property(lambda self: self.seq_lens_B)
+  done = property(lambda self: self.done_B)
+
   @property
   def num_emitted(self) -> jax.Array:
-    return self.seq_lens - self.prompt_lens
+    return self.seq_lens_B - self.prompt_lens_B
 
   @property
   def context(self) -> DraftContext:
     """What a drafter reads of the rows."""
-    return DraftContext(self.tokens, self.seq_lens, self.sampling)
+    return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling)
 
 
 # Aliases of one release for names that moved to `jspec.request`.
@@ -123,10 +129,10 @@ def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None
   drafter, spec = decoder.drafter, decoder.spec
   adaptive_config = decoder.adaptive or AdaptiveConfig()
   state = DecodeState(
-      tokens=tokens, seq_lens=requests.prompt_lens_B.astype(jnp.int32),
-      prompt_lens=requests.prompt_lens_B.astype(jnp.int32),
-      max_new_tokens=requests.max_new_tokens_B.astype(jnp.int32), done=jnp.zeros((batch,), bool),
-      keys=jax.vmap(jax.random.PRNGKey)(requests.seeds_B.astype(jnp.uint32)), sampling=requests.sampling,
+      tokens_BxT=tokens, seq_lens_B=requests.prompt_lens_B.astype(jnp.int32),
+      prompt_lens_B=requests.prompt_lens_B.astype(jnp.int32),
+      max_new_tokens_B=requests.max_new_tokens_B.astype(jnp.int32), done_B=jnp.zeros((batch,), bool),
+      keys_Bx2=jax.vmap(jax.random.PRNGKey)(requests.seeds_B.astype(jnp.uint32)), sampling=requests.sampling,
       target_cache=kvcache.init_cache(decoder.target_config, batch, capacity),
       drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
       stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
@@ -165,8 +171,8 @@ def start(decoder: Decoder, requests: Requests, capacity: int | None = None) -> 
 
 def _split_keys(state: DecodeState, num: int) -> tuple[DecodeState, jax.Array]:
   """Advances each row's key; returns `num` fresh keys per row as [num, B, 2]."""
-  keys = jax.vmap(lambda k: jax.random.split(k, num + 1))(state.keys)  # [B, num+1, 2]
-  return state.replace(keys=keys[:, 0]), jnp.moveaxis(keys[:, 1:], 1, 0)
+  keys = jax.vmap(lambda k: jax.random.split(k, num + 1))(state.keys_Bx2)  # [B, num+1, 2]
+  return state.replace(keys_Bx2=keys[:, 0]), jnp.moveaxis(keys[:, 1:], 1, 0)
 
 
 def _gather(tokens_BxT: jax.Array, index_BxS: jax.Array) -> jax.Array:
@@ -184,25 +190,25 @@ def _commit(state: DecodeState, candidates_BxS: jax.Array,
   is_stop_BxS = (candidates_BxS[:, :, None] == state.stop_BxE[:, None, :]).any(-1)
   is_eos = is_stop_BxS & (idx_S < num_candidates_B[:, None])
   upto_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, width)
-  room = state.max_new_tokens - state.num_emitted
-  num_new = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(num_candidates_B, upto_eos), room))
-  cols = jnp.where(idx_S < num_new[:, None], state.seq_lens[:, None] + idx_S, state.tokens.shape[1])
+  room = state.max_new_tokens_B - state.num_emitted
+  num_new = jnp.where(state.done_B, 0, jnp.minimum(jnp.minimum(num_candidates_B, upto_eos), room))
+  cols = jnp.where(idx_S < num_new[:, None], state.seq_lens_B[:, None] + idx_S, state.tokens_BxT.shape[1])
   rows = jnp.broadcast_to(jnp.arange(candidates_BxS.shape[0])[:, None], cols.shape)
-  tokens = state.tokens.at[rows, cols].set(candidates_BxS, mode="drop")
+  tokens = state.tokens_BxT.at[rows, cols].set(candidates_BxS, mode="drop")
   hit_eos = is_eos.any(1) & (upto_eos <= num_new)
-  done = state.done | hit_eos | (num_new >= room)
-  return state.replace(tokens=tokens, seq_lens=state.seq_lens + num_new, done=done), num_new
+  done = state.done_B | hit_eos | (num_new >= room)
+  return state.replace(tokens_BxT=tokens, seq_lens_B=state.seq_lens_B + num_new, done_B=done), num_new
 
 
 def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> DecodeState:
   """One target forward, one token per row; a drafter, if any, sees the target's features."""
-  n = state.seq_lens
-  logits, hidden, cache = model.forward(decoder.target_params, _gather(state.tokens, n[:, None] - 1),
+  n = state.seq_lens_B
+  logits, hidden, cache = model.forward(decoder.target_params, _gather(state.tokens_BxT, n[:, None] - 1),
                                         n[:, None] - 1, state.target_cache, decoder.target_config)
   token = next_token(keys_Bx2, logits[:, 0], state.sampling)
-  active = ~state.done
+  active = ~state.done_B
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
-  state = state.replace(target_cache=cache.rewind(state.seq_lens - 1),
+  state = state.replace(target_cache=cache.rewind(state.seq_lens_B - 1),
                         stats=state.stats.count_forward(active, num_new))
   if decoder.drafter is not None:
     state = _observe(decoder, state, hidden, n)
@@ -238,10 +244,10 @@ def _accept(decoder: Decoder, state: DecodeState, drafts_BxL: jax.Array, n_accep
   depth = drafts_BxL.shape[1]
   candidates_BxL1 = jnp.concatenate([drafts_BxL, token_B[:, None]], axis=1)
   candidates_BxL1 = jnp.where(jnp.arange(depth + 1) == n_accepted_B[:, None], token_B[:, None], candidates_BxL1)
-  active = ~state.done
+  active = ~state.done_B
   state, num_new = _commit(state, candidates_BxL1, n_accepted_B + 1)
   stats = state.stats.count_forward(active, num_new).count_verify(active & counted_B, n_accepted_B, depth)
-  state = state.replace(target_cache=target_cache.rewind(state.seq_lens - 1), stats=stats)
+  state = state.replace(target_cache=target_cache.rewind(state.seq_lens_B - 1), stats=stats)
   return _observe(decoder, state, hidden_BxL1xD, n_B)
 
 
@@ -250,8 +256,8 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
   one more token, and tells the drafter what it saw."""
   draft_BxK = proposal.tokens_BxK
   draft_len = draft_BxK.shape[1]
-  n = state.seq_lens
-  chunk_BxK1 = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), draft_BxK], axis=1)
+  n = state.seq_lens_B
+  chunk_BxK1 = jnp.concatenate([_gather(state.tokens_BxT, n[:, None] - 1), draft_BxK], axis=1)
   positions_BxK1 = n[:, None] - 1 + jnp.arange(draft_len + 1)
   logits_BxK1xV, hidden, target_cache = model.forward(decoder.target_params, chunk_BxK1, positions_BxK1,
                                                       state.target_cache, decoder.target_config)
@@ -276,9 +282,9 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
   """The target scores the pending token and a draft tree in one forward (each node sees its ancestors),
   keeps the accepted path and one more token, moves the path's K/V into place, and tells the drafter."""
   depth, width = decoder.spec.draft_len, decoder.spec.tree.top_k
-  n = state.seq_lens
+  n = state.seq_lens_B
   mask_BxM1xM1 = tree.ancestors(proposal.parents_BxM, depth)
-  chunk_BxM1 = jnp.concatenate([_gather(state.tokens, n[:, None] - 1), proposal.tokens_BxM], axis=1)
+  chunk_BxM1 = jnp.concatenate([_gather(state.tokens_BxT, n[:, None] - 1), proposal.tokens_BxM], axis=1)
   logits_BxM1xV, hidden, target_cache = model.forward(
       decoder.target_params, chunk_BxM1, n[:, None] - 1 + tree.depths(mask_BxM1xM1), state.target_cache,
       decoder.target_config, mask_BxM1xM1)
@@ -291,7 +297,7 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
   target_cache = tree.compact(target_cache, n - 1, path_BxL1)
   hidden_BxL1xD = jnp.take_along_axis(hidden, path_BxL1[:, :, None], axis=1)
   return _accept(decoder, state, _gather(chunk_BxM1, path_BxL1[:, 1:]), n_accepted, token,
-                 jnp.ones_like(state.done), target_cache, hidden_BxL1xD, n)
+                 jnp.ones_like(state.done_B), target_cache, hidden_BxL1xD, n)
 
 
 def _draft_tree_and_verify(decoder: Decoder, state: DecodeState) -> DecodeState:
@@ -315,7 +321,7 @@ def _draft_and_verify(decoder: Decoder, draft_len: int, state: DecodeState, keys
   verify_keys = keys_K1xBx2[-1]
   if not decoder.drafter.can_skip_rounds:
     return verify_step(decoder, state, proposal, verify_keys)
-  has_any = jnp.any(proposal.has_draft_B & ~state.done)
+  has_any = jnp.any(proposal.has_draft_B & ~state.done_B)
   state = run_if(has_any, lambda s: verify_step(decoder, s, proposal, verify_keys), state)
   return run_if(~has_any, lambda s: plain_step(decoder, s, verify_keys), state)
 
@@ -330,14 +336,14 @@ def speculative_step(decoder: Decoder, state: DecodeState) -> DecodeState:
     state = _draft_and_verify(decoder, spec.draft_len, state, keys)
     return state.replace(stats=state.stats.count_schedule(spec.draft_len))
   # One branch per K (and a plain step for K = 0), chosen at run time: nothing recompiles as K changes.
-  draft_len, probe = adaptive.choose(state.stats.acceptance, ~state.done, spec.adaptive, spec.draft_len)
+  draft_len, probe = adaptive.choose(state.stats.acceptance, ~state.done_B, spec.adaptive, spec.draft_len)
   branches = [lambda s: plain_step(decoder, s, keys[-1])]
   branches += [lambda s, k=k: _draft_and_verify(decoder, k, s, keys) for k in range(1, spec.draft_len + 1)]
-  before = state.seq_lens[0]
+  before = state.seq_lens_B[0]
   state = run_switch(draft_len, branches, state)
   stats = state.stats.count_schedule(draft_len, probe)
   if spec.trace_rounds:
-    stats = stats.record_trace(draft_len, state.seq_lens[0] - before - 1)
+    stats = stats.record_trace(draft_len, state.seq_lens_B[0] - before - 1)
   return state.replace(stats=stats)
 
 
@@ -357,12 +363,12 @@ def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None
   a request decode exactly what one call would: nothing but the state carries over between rounds."""
   trace_counts["speculative" if decoder.drafter is not None else "autoregressive"] += 1
   max_rounds = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
-  running_B = ~state.done
+  running_B = ~state.done_B
 
   def more(carry):
     state, rounds = carry
-    finished = jnp.any(running_B & state.done) & stop_at_finish
-    return ~jnp.all(state.done) & (rounds < max_rounds) & ~finished
+    finished = jnp.any(running_B & state.done_B) & stop_at_finish
+    return ~jnp.all(state.done_B) & (rounds < max_rounds) & ~finished
 
   return lax.while_loop(more, lambda c: (step(decoder, c[0]), c[1] + 1), (state, jnp.int32(0)))[0]
 
@@ -374,7 +380,7 @@ def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.A
   buffer, so a mesh's heads-major cache layout cannot take an insert."""
   if state.target_cache.heads_major:
     raise ValueError("insert needs batch-major caches (a mesh that splits kv heads lays them out by head)")
-  capacity = state.tokens.shape[1]
+  capacity = state.tokens_BxT.shape[1]
   fresh = start(decoder, requests, capacity)
   leaves, treedef = jax.tree.flatten(state)
   new_leaves = [x if block is None else lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), slot * block[1],

@@ -29,7 +29,7 @@ def _run(decoder: Decoder, requests: Requests) -> tuple[jax.Array, jax.Array, De
   """Prefills and decodes a batch. Returns `(tokens [B,T], seq_lens [B], stats)`; row b's new tokens are
   `tokens[b, prompt_len:seq_len]`."""
   state = decode.run(decoder, decode.start(decoder, requests))
-  return state.tokens, state.seq_lens, state.stats
+  return state.tokens_BxT, state.seq_lens_B, state.stats
 
 
 run = jax.jit(_run)

@@ -87,8 +87,8 @@ def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array, config: ModelCon
 
 def with_head(params: Params) -> Params:
   """`params` with an explicit `lm_head [D,V]`. A tied head read as `embed.T` inside the decode loop makes
-  every multi-token LM head a transposed matmul, about 2x slower on XLA:CPU; the decode loops call this
-  once, outside their while loop, which costs one copy of the embedding per request."""
+  every multi-token LM head a transposed matmul, much slower on XLA:CPU (docs/cpu-performance.md);
+  `jspec.pairing.make_decoder` calls this once per decoder, which keeps one copy of the embedding."""
   return params if "lm_head" in params else {**params, "lm_head": params["embed"].T}
 
 
@@ -121,7 +121,7 @@ def _mlp(layer: Params, h_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
   return (gate * (h_BxSxD @ layer["w_up"])) @ layer["w_down"]
 
 
-def decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
+def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
             attend: AttendFn, rope_len_B: jax.Array | None = None) -> jax.Array:
   """The decoder layers `params["layers"]` over input vectors; returns the residual stream [B,S,D].
 
@@ -157,7 +157,7 @@ def full_attention(config: ModelConfig) -> AttendFn:
 def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
           attend: AttendFn) -> jax.Array:
   """Embedding and decoder layers; returns the final-normed hidden state [B,S,D]."""
-  x_BxSxD = decoder(params, embed(params, tokens_BxS, config), positions_BxS, config, attend)
+  x_BxSxD = layer_stack(params, embed(params, tokens_BxS, config), positions_BxS, config, attend)
   return rms_norm(x_BxSxD, params["final_norm"], config)
 
 
@@ -169,15 +169,15 @@ def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cac
   draft tree's entries with their ancestor mask `tree_BxSxA` and positions base + depth; `jspec.tree`).
   Returns `(logits [B,S,V] fp32, hidden [B,S,D], cache)` with `cache.lengths` advanced by S.
   """
-  x_BxSxD, cache = cached_decoder(params, embed(params, tokens_BxS, config), positions_BxS, cache, config,
+  x_BxSxD, cache = cached_layer_stack(params, embed(params, tokens_BxS, config), positions_BxS, cache, config,
                                   tree_BxSxA)
   hidden = rms_norm(x_BxSxD, params["final_norm"], config)
   return logits_from_hidden(params, hidden, config), hidden, cache
 
 
-def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
+def cached_layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
                    config: ModelConfig, tree_BxSxA: jax.Array | None = None) -> tuple[jax.Array, kvcache.KVCache]:
-  """`decoder` over S new input vectors per row, written into the cache at each row's length."""
+  """`layer_stack` over S new input vectors per row, written into the cache at each row's length."""
   ks, vs = list(cache.k), list(cache.v)
 
   def attend(i, q, k, v):
@@ -186,7 +186,7 @@ def cached_decoder(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array,
     return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major,
                                       tree_BxSxA=tree_BxSxA, **attention_options(config, i))
 
-  x_BxSxD = decoder(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len)
+  x_BxSxD = layer_stack(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len)
   return x_BxSxD, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])
 
 

@@ -52,8 +52,8 @@ def _filter_top_k_top_p(logits_BxSxV: jax.Array, top_k_B: jax.Array, top_p_B: ja
 
 def argmax(logits: jax.Array) -> jax.Array:
   """`jnp.argmax` over the last axis, `[..., V] -> [...]` int32 (the first maximal index), as a max and a
-  min: XLA:CPU runs its (value, index) pair reduction 3-5x slower over 1-8 rows of 6144 logits, on every
-  round's critical path."""
+  min: XLA:CPU's (value, index) pair reduction is several times slower over a few rows of logits, on
+  every round's critical path (docs/cpu-performance.md)."""
   best = logits.max(-1, keepdims=True)
   index = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
   return jnp.min(jnp.where(logits == best, index, logits.shape[-1] - 1), axis=-1)
@@ -76,13 +76,13 @@ def is_greedy(params: SamplingParams) -> jax.Array:
   return jnp.all(params.temperature == 0)
 
 
-def sample(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
+def sample(keys_Bx2: jax.Array, probs_BxV: jax.Array) -> jax.Array:
   """One token per row from its own key, so a row's draws do not depend on the rest of the batch."""
   logp = jnp.log(probs_BxV)
-  return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys_B, logp).astype(jnp.int32)
+  return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys_Bx2, logp).astype(jnp.int32)
 
 
-def next_token(keys_B: jax.Array, logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
+def next_token(keys_Bx2: jax.Array, logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
   """Samples one token per row from its logits; an argmax when the whole batch is greedy."""
   return lax.cond(is_greedy(params), lambda: argmax(logits_BxV),
-                  lambda: sample(keys_B, probabilities(logits_BxV[:, None], params)[:, 0]))
+                  lambda: sample(keys_Bx2, probabilities(logits_BxV[:, None], params)[:, 0]))

@@ -22,7 +22,7 @@ from jspec import engine, request, sharding
 from jspec.decode import Decoder
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
-from jspec.tokenizer import IncrementalDecoder
+from jspec.tokenizer import IncrementalDetokenizer
 
 # Rounds per segment (one host visit) when streaming: few enough host visits that they cost little
 # throughput (docs/streaming.md), often enough that text appears every few tens of milliseconds. A segment
@@ -85,13 +85,13 @@ class Stream:
     begin = time.perf_counter()
     pending = collections.deque(range(self.slots, len(self.prompt_ids)))
     slot_prompt: list[int | None] = list(range(self.slots))
-    text = [IncrementalDecoder(self.tokenizer) for _ in range(self.slots)]
+    text = [IncrementalDetokenizer(self.tokenizer) for _ in range(self.slots)]
     sent = [0] * self.slots  # tokens of the slot's prompt already handed out
     state = self._call("prefill", engine.start, decoder, self._requests(slot_prompt))
     segment = jnp.int32(self.segment_rounds)
     while True:
       state = self._call("segment", engine.resume, decoder, state, segment, jnp.asarray(bool(pending)))
-      tokens, seq_lens, done, row_stats = jax.device_get((state.tokens, state.seq_lens, state.done, (
+      tokens, seq_lens, done, row_stats = jax.device_get((state.tokens_BxT, state.seq_lens_B, state.done_B, (
           state.stats.row_rounds_B, state.stats.row_drafted_B, state.stats.row_accepted_B)))
       for b, index in enumerate(slot_prompt):
         if index is None:
@@ -109,7 +109,7 @@ class Stream:
         slot_prompt[b] = None
         if pending:  # the next prompt takes the free slot
           slot_prompt[b] = pending.popleft()
-          text[b], sent[b] = IncrementalDecoder(self.tokenizer), 0
+          text[b], sent[b] = IncrementalDetokenizer(self.tokenizer), 0
           state = self._call("insert", engine.insert, decoder, state, self._requests([slot_prompt[b]]),
                              jnp.int32(b))
       if all(i is None for i in slot_prompt):

@@ -120,8 +120,8 @@ class AdaptiveConfig:
   cost_ratio: float | None = None
   verify_cost: float | None = None
   round_overhead: float | None = None
-  # Plain steps while the windowed acceptance is below it (0: never); at 0.4 the shipped pair fell back on
-  # code that speculation still sped up (BENCHMARKS.md, "The adaptive policy, revised").
+  # Plain steps while the windowed acceptance is below it (0: never); low enough that code speculation
+  # still speeds up does not fall back (docs/adaptive.md).
   fallback_threshold: float = 0.25
   probe_interval: int = 16  # plain steps between speculative probes during fallback
   window: int = 8  # W: speculative rounds in the rolling acceptance window

@@ -33,7 +33,7 @@ PAIRS = {name: Pair(name) for name in ("code", "code-small")}
 DEFAULT = PAIRS["code"]
 SMALL = PAIRS["code-small"]
 TARGET, DRAFTS = DEFAULT.target, DEFAULT.drafts
-DEFAULT_DRAFTER = "eagle"  # the steadiest measured speedup (BENCHMARKS.md, "The default pair")
+DEFAULT_DRAFTER = "eagle"  # the steadiest speedup of the four on the shipped pairs (BENCHMARKS.md)
 
 
 def resolve(target: str | pathlib.Path) -> pathlib.Path:

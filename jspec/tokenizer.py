@@ -55,11 +55,11 @@ def encode(tok: Tokenizer, text: str) -> list[int]:
   return tok.encode(text, add_special_tokens=False).ids
 
 
-def decode(tok: Tokenizer, ids: list[int]) -> str:
+def detokenize(tok: Tokenizer, ids: list[int]) -> str:
   return tok.decode(ids, skip_special_tokens=True)
 
 
-class IncrementalDecoder:
+class IncrementalDetokenizer:
   """The text of a growing token sequence, handed out in pieces that are never broken: a character whose
   UTF-8 bytes span several tokens decodes as U+FFFD until its last byte arrives, so a trailing U+FFFD is
   held back until more tokens come (or `flush`, at the end, releases it)."""
@@ -70,7 +70,7 @@ class IncrementalDecoder:
   def push(self, ids: list[int]) -> str:
     """The new complete text after appending `ids`."""
     self.ids.extend(ids)
-    text = decode(self.tok, self.ids)
+    text = detokenize(self.tok, self.ids)
     end = len(text)
     while end > self.sent and text[end - 1] == "\ufffd":
       end -= 1
@@ -79,7 +79,7 @@ class IncrementalDecoder:
 
   def flush(self) -> str:
     """Whatever is still held back."""
-    text = decode(self.tok, self.ids)
+    text = detokenize(self.tok, self.ids)
     piece, self.sent = text[self.sent:], len(text)
     return piece
 

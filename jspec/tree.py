@@ -20,7 +20,8 @@ one of two rules, by how the children were chosen:
 Either way the emitted tokens follow the target's distribution exactly; the p - q residual is wrong for
 top-k children, so the two must not be mixed up.
 
-Shapes (the package legend, and): M draft nodes, M1 = M + 1 chunk entries, L tree depth (levels).
+Shapes: the package legend's M (draft nodes; M1 = M + 1 chunk entries), L (depth), G (children per node),
+Z (candidate nodes a dynamic tree grows before the best M are kept) and A (entries fed so far).
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def verify_greedy(tokens_BxM: jax.Array, parents_BxM: jax.Array, logits_BxM1xV: 
   return path_BxL1, n_accepted, best_at(at_B)
 
 
-def verify(keys_B: jax.Array, tokens_BxM: jax.Array, parents_BxM: jax.Array, p_BxM1xV: jax.Array,
+def verify(keys_Bx2: jax.Array, tokens_BxM: jax.Array, parents_BxM: jax.Array, p_BxM1xV: jax.Array,
            q_BxM1xV: jax.Array | None, depth: int, width: int,
            rule: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`verify_greedy` for sampled rows: p (and, for `SAMPLED` children, the q they were drawn from) per
@@ -151,13 +152,13 @@ def verify(keys_B: jax.Array, tokens_BxM: jax.Array, parents_BxM: jax.Array, p_B
   if rule not in (TOP_K, SAMPLED):
     raise ValueError(f"unknown tree rule {rule!r}")
   batch = tokens_BxM.shape[0]
-  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
-  u_BxLxW = jax.vmap(lambda k: jax.random.uniform(k, (depth, width)))(accept_key)
+  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_Bx2), 1, 0)
+  u_BxLxG = jax.vmap(lambda k: jax.random.uniform(k, (depth, width)))(accept_key)
   take = lambda x_BxV, t_B: jnp.take_along_axis(x_BxV, t_B[:, None], axis=1)[:, 0]
   row_of = lambda x_BxM1xV, at_B: jnp.take_along_axis(x_BxM1xV, at_B[:, None, None], axis=1)[:, 0]
 
   def try_child(p_BxV, at_B, x_B, trying_B, level, rank):
-    u_B = u_BxLxW[:, level, rank]
+    u_B = u_BxLxG[:, level, rank]
     if rule == TOP_K:  # accept with p(x) / mass left; on rejection p(x) = 0
       hit_B = trying_B & (u_B * p_BxV.sum(-1) < take(p_BxV, x_B))
       rejected = p_BxV.at[jnp.arange(batch), x_B].set(0.0)
@@ -191,25 +192,25 @@ def top_k_children(logits_BxSxV: jax.Array, top_k: int, level: int) -> tuple[jax
   return lax.top_k(jax.nn.log_softmax(logits_BxSxV.astype(jnp.float32)), top_k)
 
 
-def sampled_children(keys_B: jax.Array, sampling: SamplingParams):
+def sampled_children(keys_Bx2: jax.Array, sampling: SamplingParams):
   """A `grow` child chooser: each node's children drawn independently from q, the draft's distribution
   under the rows' sampling (SpecInfer's multi-draft proposal, verified with the `SAMPLED` rule), with their
   log-probabilities under q. Greedy rows take the top-k (their one-hot q makes either rule exact)."""
   def choose(logits_BxSxV: jax.Array, top_k: int, level: int) -> tuple[jax.Array, jax.Array]:
     logq_BxSxV = jnp.log(probabilities(logits_BxSxV, sampling))
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, level))(keys_B)
-    draws_BxSxK = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, shape=(top_k, lq.shape[0])).T)(
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, level))(keys_Bx2)
+    draws_BxSxG = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, shape=(top_k, lq.shape[0])).T)(
         keys, logq_BxSxV).astype(jnp.int32)
-    score_BxSxK = jnp.take_along_axis(logq_BxSxV, draws_BxSxK, axis=-1)
+    score_BxSxG = jnp.take_along_axis(logq_BxSxV, draws_BxSxG, axis=-1)
     top_score, top_token = top_k_children(logits_BxSxV, top_k, level)
     greedy = (sampling.temperature == 0)[:, None, None]
-    return jnp.where(greedy, top_score, score_BxSxK), jnp.where(greedy, top_token, draws_BxSxK)
+    return jnp.where(greedy, top_score, score_BxSxG), jnp.where(greedy, top_token, draws_BxSxG)
   return choose
 
 
-def children(spec, keys_B: jax.Array, sampling: SamplingParams):
+def children(spec, keys_Bx2: jax.Array, sampling: SamplingParams):
   """The child chooser `spec.tree` asks for: `sampled_children` or `top_k_children`."""
-  return sampled_children(keys_B, sampling) if spec.tree.sampled else top_k_children
+  return sampled_children(keys_Bx2, sampling) if spec.tree.sampled else top_k_children
 
 
 def rule(spec) -> str:
@@ -231,55 +232,55 @@ def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: 
   order drawn; and the logits each chunk entry's children were drawn from are returned for verification
   (None with top-k children).
 
-  `expand(carry, parent_state_BxK, tokens_BxK, tree_BxKxA, level)` feeds a level's frontier to the drafter:
+  `expand(carry, parent_state_BxG, tokens_BxG, tree_BxGxA, level)` feeds a level's frontier to the drafter:
   the frontier's tokens, what their parents' expansion left (`parent_state`, a pytree of [B, K, ...]
   leaves), and each frontier entry's ancestors among the A = level * K entries fed this round (itself
-  included). It returns `(carry, logits_BxKxV, state_BxK)`: each frontier node's children's logits and the
+  included). It returns `(carry, logits_BxGxV, state_BxG)`: each frontier node's children's logits and the
   state its children will get. Returns `(carry, tokens_BxM, parents_BxM, logits_BxM1xV or None)`.
   """
   batch = logits_BxV.shape[0]
   sampled = choose is not top_k_children
-  score_BxK, token_BxK = (x[:, 0] for x in choose(logits_BxV[:, None], top_k, 0))
-  scores, tokens, parents = [score_BxK], [token_BxK.astype(jnp.int32)], [jnp.full((batch, top_k), -1, jnp.int32)]
+  score_BxG, token_BxG = (x[:, 0] for x in choose(logits_BxV[:, None], top_k, 0))
+  scores, tokens, parents = [score_BxG], [token_BxG.astype(jnp.int32)], [jnp.full((batch, top_k), -1, jnp.int32)]
   expanded = []  # (candidate indices, the logits their children came from), per level
-  frontier_BxK = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (batch, top_k))  # candidate indices
-  frontier_tokens_BxK, frontier_score_BxK = tokens[0], score_BxK
-  seen_BxKxA = jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))
+  frontier_BxG = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (batch, top_k))  # candidate indices
+  frontier_tokens_BxG, frontier_score_BxG = tokens[0], score_BxG
+  seen_BxGxA = jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))
   for level in range(1, depth):
-    carry, logits_BxKxV, state = expand(carry, parent_state, frontier_tokens_BxK, seen_BxKxA, level)
-    expanded.append((frontier_BxK, logits_BxKxV))
-    child_score_BxKxK, child_BxKxK = choose(logits_BxKxV, top_k, level)
-    child_score_BxKK = (frontier_score_BxK[:, :, None] + child_score_BxKxK).reshape(batch, top_k * top_k)
+    carry, logits_BxGxV, state = expand(carry, parent_state, frontier_tokens_BxG, seen_BxGxA, level)
+    expanded.append((frontier_BxG, logits_BxGxV))
+    child_score_BxGxG, child_BxGxG = choose(logits_BxGxV, top_k, level)
+    child_score_BxGG = (frontier_score_BxG[:, :, None] + child_score_BxGxG).reshape(batch, top_k * top_k)
     offset = sum(s.shape[1] for s in scores)
-    scores.append(child_score_BxKK)
-    tokens.append(child_BxKxK.reshape(batch, -1).astype(jnp.int32))
-    parents.append(jnp.repeat(frontier_BxK, top_k, axis=1))
-    frontier_score_BxK, best_BxK = lax.top_k(child_score_BxKK, top_k)
-    slot_BxK = best_BxK // top_k  # which frontier node each new frontier node hangs from
-    frontier_tokens_BxK = jnp.take_along_axis(tokens[-1], best_BxK, axis=1)
-    frontier_BxK = (offset + best_BxK).astype(jnp.int32)
+    scores.append(child_score_BxGG)
+    tokens.append(child_BxGxG.reshape(batch, -1).astype(jnp.int32))
+    parents.append(jnp.repeat(frontier_BxG, top_k, axis=1))
+    frontier_score_BxG, best_BxG = lax.top_k(child_score_BxGG, top_k)
+    slot_BxG = best_BxG // top_k  # which frontier node each new frontier node hangs from
+    frontier_tokens_BxG = jnp.take_along_axis(tokens[-1], best_BxG, axis=1)
+    frontier_BxG = (offset + best_BxG).astype(jnp.int32)
     parent_state = jax.tree.map(lambda x: jnp.take_along_axis(
-        x, slot_BxK.reshape(batch, top_k, *([1] * (x.ndim - 2))), axis=1), state)
-    rows = jnp.take_along_axis(seen_BxKxA, slot_BxK[:, :, None], axis=1)
-    seen_BxKxA = jnp.concatenate([rows, jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))],
+        x, slot_BxG.reshape(batch, top_k, *([1] * (x.ndim - 2))), axis=1), state)
+    rows = jnp.take_along_axis(seen_BxGxA, slot_BxG[:, :, None], axis=1)
+    seen_BxGxA = jnp.concatenate([rows, jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))],
                                  axis=2)
-  score_BxP, token_BxP, parent_BxP = (jnp.concatenate(x, axis=1) for x in (scores, tokens, parents))
+  score_BxZ, token_BxZ, parent_BxZ = (jnp.concatenate(x, axis=1) for x in (scores, tokens, parents))
   if sampled:
     kept_BxM = jnp.broadcast_to(jnp.arange(nodes), (batch, nodes))
   else:  # the best `nodes` by score, shallower first on ties, then back in candidate (topological) order
-    level_P = jnp.concatenate([jnp.full((s.shape[1],), i) for i, s in enumerate(scores)])
-    order_BxP = jax.vmap(lambda s: jnp.lexsort((level_P, -s)))(score_BxP)
-    kept_BxM = jnp.sort(order_BxP[:, :nodes], axis=1)
-  entry_BxP = jnp.zeros_like(parent_BxP).at[jnp.arange(batch)[:, None], kept_BxM].set(
+    level_Z = jnp.concatenate([jnp.full((s.shape[1],), i) for i, s in enumerate(scores)])
+    order_BxZ = jax.vmap(lambda s: jnp.lexsort((level_Z, -s)))(score_BxZ)
+    kept_BxM = jnp.sort(order_BxZ[:, :nodes], axis=1)
+  entry_BxZ = jnp.zeros_like(parent_BxZ).at[jnp.arange(batch)[:, None], kept_BxM].set(
       jnp.arange(1, nodes + 1, dtype=jnp.int32))
-  parent_BxM = jnp.take_along_axis(parent_BxP, kept_BxM, axis=1)
-  parent_entry_BxM = jnp.where(parent_BxM < 0, 0, jnp.take_along_axis(entry_BxP, jnp.maximum(parent_BxM, 0), axis=1))
+  parent_BxM = jnp.take_along_axis(parent_BxZ, kept_BxM, axis=1)
+  parent_entry_BxM = jnp.where(parent_BxM < 0, 0, jnp.take_along_axis(entry_BxZ, jnp.maximum(parent_BxM, 0), axis=1))
   q_logits = None
   if sampled:  # entry 0's children came from the root's logits, a kept node's from its expansion (if any)
     rows = jnp.arange(batch)[:, None]
-    all_BxPxV = jnp.zeros((batch, score_BxP.shape[1], logits_BxV.shape[-1]), logits_BxV.dtype)
-    for frontier_BxK, logits_BxKxV in expanded:
-      all_BxPxV = all_BxPxV.at[rows, frontier_BxK].set(logits_BxKxV.astype(logits_BxV.dtype))
-    q_logits = jnp.concatenate([logits_BxV[:, None], jnp.take_along_axis(all_BxPxV, kept_BxM[:, :, None], axis=1)],
+    all_BxZxV = jnp.zeros((batch, score_BxZ.shape[1], logits_BxV.shape[-1]), logits_BxV.dtype)
+    for frontier_BxG, logits_BxGxV in expanded:
+      all_BxZxV = all_BxZxV.at[rows, frontier_BxG].set(logits_BxGxV.astype(logits_BxV.dtype))
+    q_logits = jnp.concatenate([logits_BxV[:, None], jnp.take_along_axis(all_BxZxV, kept_BxM[:, :, None], axis=1)],
                                axis=1)
-  return carry, jnp.take_along_axis(token_BxP, kept_BxM, axis=1), parent_entry_BxM, q_logits
+  return carry, jnp.take_along_axis(token_BxZ, kept_BxM, axis=1), parent_entry_BxM, q_logits

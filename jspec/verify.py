@@ -18,11 +18,11 @@ def accepted_prefix(accepted_BxK: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod(accepted_BxK, axis=1), axis=1).astype(jnp.int32)
 
 
-def verify(keys_B: jax.Array, draft_BxK: jax.Array, q_BxKxV: jax.Array,
+def verify(keys_Bx2: jax.Array, draft_BxK: jax.Array, q_BxKxV: jax.Array,
            p_BxK1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Returns `(n_accepted [B], next_token [B])`: the row emits drafts [0, n) then next_token."""
   batch, num_draft = draft_BxK.shape
-  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_B), 1, 0)
+  accept_key, residual_key = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(keys_Bx2), 1, 0)
   p_x = jnp.take_along_axis(p_BxK1xV[:, :num_draft], draft_BxK[..., None], axis=-1)[..., 0]
   q_x = jnp.take_along_axis(q_BxKxV, draft_BxK[..., None], axis=-1)[..., 0]
   u_BxK = jax.vmap(lambda k: jax.random.uniform(k, (num_draft,)))(accept_key)
@@ -56,7 +56,7 @@ TYPICAL_EPSILON = 0.09
 TYPICAL_DELTA = 0.3
 
 
-def verify_typical(keys_B: jax.Array, draft_BxK: jax.Array, p_BxK1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify_typical(keys_Bx2: jax.Array, draft_BxK: jax.Array, p_BxK1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Medusa's typical acceptance: LOSSY. Accepts each draft token the target finds plausible enough, then
   samples the next token from p. The output no longer follows p exactly; greedy rows (one-hot p) still
   accept only the argmax, so greedy output is unchanged."""
@@ -67,4 +67,4 @@ def verify_typical(keys_B: jax.Array, draft_BxK: jax.Array, p_BxK1xV: jax.Array)
   accepted_BxK = p_x > jnp.minimum(TYPICAL_EPSILON, TYPICAL_DELTA * jnp.exp(-entropy))
   n_accepted = accepted_prefix(accepted_BxK)
   p_n = jnp.take_along_axis(p_BxK1xV, n_accepted[:, None, None], axis=1)[:, 0]
-  return n_accepted, sample(keys_B, p_n)
+  return n_accepted, sample(keys_Bx2, p_n)

@@ -150,7 +150,7 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   def run(decoder, prompts, lens, temperature, seeds):
     requests = template.replace(prompts_BxP=prompts, prompt_lens_B=lens, seeds_B=seeds,
                                 sampling=template.sampling.replace(temperature=jnp.full((2,), temperature)))
-    return decode.run(decoder, decode.start(decoder, requests)).tokens
+    return decode.run(decoder, decode.start(decoder, requests)).tokens_BxT
 
   for i in range(3):
     prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)

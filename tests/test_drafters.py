@@ -82,12 +82,12 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   state = fresh(requests.prompts_BxP, requests.prompt_lens_B)
   mid_rejections = 0
   for _ in range(6):
-    before = state.seq_lens
+    before = state.seq_lens_B
     state = step(state)
-    accepted = np.asarray(state.seq_lens - before - 1)
+    accepted = np.asarray(state.seq_lens_B - before - 1)
     mid_rejections += int(np.sum((accepted > 0) & (accepted < draft_len)))
-    text = state.tokens[:, :width + 6 * (draft_len + 1)]  # one fixed width: `fresh` compiles once
-    np.testing.assert_allclose(proposal(state), proposal(fresh(text, state.seq_lens)), atol=2e-4, rtol=2e-4)
+    text = state.tokens_BxT[:, :width + 6 * (draft_len + 1)]  # one fixed width: `fresh` compiles once
+    np.testing.assert_allclose(proposal(state), proposal(fresh(text, state.seq_lens_B)), atol=2e-4, rtol=2e-4)
   assert mid_rejections > 0
 
 

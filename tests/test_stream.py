@@ -128,11 +128,11 @@ def test_text_deltas_never_break_a_character():
   text = "naïve café → 日本語 🎉 done"
   ids = tokenizer.encode(tok, text)
   assert len(ids) > len(text)  # multi-byte characters span several tokens
-  inc = tokenizer.IncrementalDecoder(tok)
+  inc = tokenizer.IncrementalDetokenizer(tok)
   pieces = [inc.push([t]) for t in ids]
   assert all("\ufffd" not in p for p in pieces)
   assert "".join(pieces) + inc.flush() == text
   # Bytes that never complete a character come out at the end.
-  inc = tokenizer.IncrementalDecoder(tok)
+  inc = tokenizer.IncrementalDetokenizer(tok)
   assert inc.push(ids[:1] + tokenizer.encode(tok, "é")[:1]) == text[0]
   assert inc.flush() == "\ufffd"

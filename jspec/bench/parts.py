@@ -211,25 +211,25 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
                    jnp.ones((batch,), bool))
 
   def propose(s, i):
-    context = s.context.replace(seq_lens_B=s.seq_lens - i % 2)
+    context = s.context.replace(seq_lens_B=s.seq_lens_B - i % 2)
     dstate, proposal = decoder.drafter.propose(decoder.weights, s.drafter_state, context, keys)
     return s.replace(drafter_state=dstate), proposal.logits_BxKxV.sum()
 
   def verify_forward(s, i):
-    logits, _, cache = model.forward(tparams, chunk, s.seq_lens[:, None] - 1 + jnp.arange(draft_len + 1),
+    logits, _, cache = model.forward(tparams, chunk, s.seq_lens_B[:, None] - 1 + jnp.arange(draft_len + 1),
                                      s.target_cache, config)
-    return s.replace(target_cache=cache.rewind(s.seq_lens - 1)), logits.sum()
+    return s.replace(target_cache=cache.rewind(s.seq_lens_B - 1)), logits.sum()
 
   def propose_and_ar_step(s, i):
     """A proposal and an AR step that do not depend on each other: what they cost together beyond their
     sum is what the draft's weights and cache cost the target in evicted CPU caches."""
     s, value = propose(s, i)
     s = decode.autoregressive_step(decoder, s)
-    return s, value + s.seq_lens.sum()
+    return s, value + s.seq_lens_B.sum()
 
   # Each part returns (state, a value that depends on all its work), so XLA cannot drop any of it; the
   # parts rewind to where they started, so every iteration does the same work.
-  with_lengths = lambda s: (s, s.seq_lens.sum())
+  with_lengths = lambda s: (s, s.seq_lens_B.sum())
   parts = {
       "round": lambda s, i: with_lengths(decode.speculative_step(decoder, s)),
       "ar_step": lambda s, i: with_lengths(decode.autoregressive_step(decoder, s)),
@@ -259,7 +259,7 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
   Both run 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
   """
   decoder, state = started(target, draft, kind, 1, batch, used)
-  tparams, lens = decoder.target_params, state.seq_lens
+  tparams, lens = decoder.target_params, state.seq_lens_B
   keys = jnp.zeros((1, batch, 2), jnp.uint32)
 
   # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
@@ -277,7 +277,7 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, 
     def body(i, carry):
       acc, cache = carry
       pos = lens[:, None] - 1 - i % 2
-      logits, _, cache = model.forward(tparams, state.tokens[:, :1], pos, cache.rewind(pos[:, 0]), target.config)
+      logits, _, cache = model.forward(tparams, state.tokens_BxT[:, :1], pos, cache.rewind(pos[:, 0]), target.config)
       return acc + logits[0, 0, 0], cache
     return lax.fori_loop(0, 32, body, (jnp.zeros(()), cache))
 

@@ -121,9 +121,9 @@ class ModelDrafter(Drafter):
     params, n = weights.drafter, context.seq_lens_B
     logits_BxV, cache = self._catch_up(params, cache, context.tokens_BxT, n)
 
-    def expand(cache, _, tokens_BxK, tree_BxKxA, level):
-      positions = jnp.broadcast_to((n - 1 + level)[:, None], tokens_BxK.shape)
-      _, hidden, cache = model.forward(params, tokens_BxK, positions, cache, self.config, tree_BxKxA)
+    def expand(cache, _, tokens_BxG, tree_BxGxA, level):
+      positions = jnp.broadcast_to((n - 1 + level)[:, None], tokens_BxG.shape)
+      _, hidden, cache = model.forward(params, tokens_BxG, positions, cache, self.config, tree_BxGxA)
       return cache, self._logits(params, hidden), None
 
     cache, tokens_BxM, parents_BxM, q_logits = tree.grow(expand, cache, None, logits_BxV, spec.draft_len,

@@ -87,7 +87,7 @@ class EagleDrafter(Drafter):
     """Predicted features of positions+1 for S (feature, next token) pairs; the cache advances by S. With a
     tree mask, each entry sees the cache and its ancestors among this round's entries."""
     x = self._inputs(params, target_params, feature_BxSxD, next_tokens_BxS)
-    x, cache = model.cached_decoder(params, x, positions_BxS, cache, self.config, tree_BxSxA)
+    x, cache = model.cached_layer_stack(params, x, positions_BxS, cache, self.config, tree_BxSxA)
     return self._features(params, x), cache
 
   def init(self, batch: int, capacity: int, draft_len: int) -> EagleState:
@@ -138,9 +138,9 @@ class EagleDrafter(Drafter):
     feature_BxD, cache = self._catch_up(params, target_params, state, context.tokens_BxT, n)
     logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None], self.config)[:, 0]
 
-    def expand(cache, feature_BxKxD, tokens_BxK, tree_BxKxA, level):
-      positions = jnp.broadcast_to((n - 2 + level)[:, None], tokens_BxK.shape)
-      feature, cache = self.step(params, target_params, cache, feature_BxKxD, tokens_BxK, positions, tree_BxKxA)
+    def expand(cache, feature_BxGxD, tokens_BxG, tree_BxGxA, level):
+      positions = jnp.broadcast_to((n - 2 + level)[:, None], tokens_BxG.shape)
+      feature, cache = self.step(params, target_params, cache, feature_BxGxD, tokens_BxG, positions, tree_BxGxA)
       return cache, model.logits_from_hidden(target_params, feature, self.config), feature
 
     top_k = spec.tree.top_k
@@ -171,7 +171,7 @@ class EagleDrafter(Drafter):
       inputs = inputs + jax.random.uniform(key, inputs.shape, inputs.dtype, -noise / 2, noise / 2)
     x = self._inputs(params, target_params, inputs, tokens_BxS[:, 1:])
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    x = model.decoder(params, x, positions, self.config, model.full_attention(self.config))
+    x = model.layer_stack(params, x, positions, self.config, model.full_attention(self.config))
     pred = self._features(params, x).astype(jnp.float32)
     regression = jnp.mean(losses.smooth_l1(pred, hidden_BxSxD[:, 1:].astype(jnp.float32)))
     return feature_weight * regression + losses.kl(target_logits_BxSxV[:, 1:],

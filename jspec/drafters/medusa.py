@@ -97,8 +97,8 @@ class MedusaDrafter(Drafter):
     """The static tree `spec.tree.choices`: node (r1, .., rd) is head d's rank-rd token (top-k children)."""
     shape = tree.static_shape(spec.tree.choices)
     logits_BxLxV = self._head_logits(weights, state, context.seq_lens_B, spec.draft_len)
-    top_BxLxR = lax.top_k(logits_BxLxV, spec.tree.top_k)[1].astype(jnp.int32)
-    tokens_BxM = top_BxLxR[:, shape.depth_M - 1, shape.rank_M]
+    top_BxLxG = lax.top_k(logits_BxLxV, spec.tree.top_k)[1].astype(jnp.int32)
+    tokens_BxM = top_BxLxG[:, shape.depth_M - 1, shape.rank_M]
     parents_BxM = jnp.broadcast_to(jnp.asarray(shape.parent_M, jnp.int32), tokens_BxM.shape)
     return state, TreeProposal(tokens_BxM, parents_BxM, None, tree.TOP_K)
 
