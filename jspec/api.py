@@ -42,8 +42,8 @@ def _sampling(sampling, temperature, top_k, top_p) -> SamplingConfig | list[Samp
   return list(sampling)
 
 
-def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_tokens,
-             batch_size: int | None) -> tuple[list[list[int]], decode.Decoder]:
+def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size: int | None,
+             sampling: SamplingConfig | list[SamplingConfig]) -> tuple[list[list[int]], decode.Decoder]:
   """Validated token ids and the decoder for the rows that run: every prompt, or at most `batch_size`."""
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]
@@ -58,6 +58,8 @@ def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_token
       raise ValueError("chat: prompts must be texts, not token ids")
     prompts = [target.chat_template.render(p) for p in prompts]
   prompt_ids = [encode(target.tokenizer, p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+  if isinstance(sampling, list) and len(sampling) != len(prompt_ids):
+    raise ValueError(f"got sampling settings for {len(sampling)} rows, not {len(prompt_ids)}")
   rows = min(batch_size or len(prompt_ids), len(prompt_ids)) or 1
   decoder = make_decoder(target, draft, spec, rows)
   check_prompts(decoder, prompt_ids, max_new_tokens)
@@ -92,7 +94,7 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   SPMD program on the mesh, across processes when `jax.distributed` is initialized.
   """
   sampling = _sampling(sampling, temperature, top_k, top_p)
-  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, None)
+  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, None, sampling)
   requests = make_requests(decoder, prompt_ids, max_new_tokens, sampling=sampling, seed=seed, ignore_eos=ignore_eos)
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, len(prompt_ids), shard_draft)
@@ -128,7 +130,8 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft
   wait. On a mesh, continuous batching needs a cache laid out by batch row (no kv-head split).
   """
   sampling = _sampling(sampling, temperature, top_k, top_p)
-  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size)
+  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size,
+                                 sampling)
   slots = min(batch_size or len(prompt_ids), len(prompt_ids))
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import adaptive, model, tree
+from jspec import adaptive, model, request, tree
 from jspec import cache as kvcache
 from jspec.config import ModelConfig
 from jspec.control import run_if, run_switch
 from jspec.drafters.base import DraftContext, Drafter, DrafterState, DraftWeights, Proposal, TreeProposal
-from jspec.request import Requests, stop_table
+from jspec.request import Requests
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
 from jspec.settings import AdaptiveConfig, SpecConfig
 from jspec.stats import DecodeStats
@@ -110,14 +110,12 @@ class DecodeState:
     return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling)
 
 
-# Aliases of one release for names that moved to `jspec.request`.
-stop_ids = lambda target_config, batch, ignore_eos=False: stop_table(() if ignore_eos else target_config.stop_ids,
-                                                                     batch)
+# Aliases of one release for names that moved to `jspec.request` (`make_requests` builds both parts).
+required_capacity = request.capacity  # already rounded: rounding it again changes nothing
 
 
-def required_capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
-  """Slots a request needs before rounding; `jspec.request.capacity` rounds it to a bucket."""
-  return prompt_width + max_new_tokens + headroom + 1
+def stop_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False):
+  return request.stop_table(() if ignore_eos else target_config.stop_ids, batch)
 
 
 def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None) -> DecodeState:

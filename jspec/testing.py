@@ -13,11 +13,21 @@ from jspec import drafters, model, sampling
 from jspec.api import generate
 from jspec.config import ModelConfig
 from jspec.model import Model
+from jspec.settings import SpecConfig
 from jspec.tokenizer import byte_tokenizer
 
 TINY = ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
                    rope_theta=10000.0, max_seq_len=1024, eos_id=256)
 TINY_DRAFT = dataclasses.replace(TINY, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, mlp_dim=64)
+NO_EOS = dataclasses.replace(TINY, eos_id=None)  # every row decodes all its new tokens
+SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=16, eos_id=None)  # drafts are often right by chance
+KINDS = ("model", "medusa", "eagle", "ngram")
+
+
+def fixed_k(draft_len: int = 4, **kw) -> SpecConfig:
+  """Speculation with K drafted every round (adaptive K chooses K for the whole batch, so a sampled row's
+  tokens would depend on its neighbours)."""
+  return SpecConfig(draft_len, adaptive=None, **kw)
 
 
 def random_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 1.0) -> Model:
@@ -42,6 +52,25 @@ def random_heads(drafter, seed: int = 0, scale: float = 0.5) -> drafters.Heads:
   keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
   noisy = [x + scale * x.shape[-1] ** -0.5 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
   return drafters.Heads(drafter, jax.tree.unflatten(treedef, noisy))
+
+
+def random_pair(config: ModelConfig = NO_EOS, noise: float = 0.5) -> tuple[Model, Model]:
+  """A peaky random target and a draft model that agrees with it only partly (its perturbed copy)."""
+  target = random_model(config, seed=0, scale=2.0)
+  return target, perturbed(target, noise)
+
+
+def random_draft(kind: str, target: Model, seed: int = 1, heads: int = 5, scale: float = 0.5,
+                 noise: float = 0.5) -> Model | drafters.Heads | None:
+  """A random drafter of `kind` for `target`: a perturbed copy (model), random heads (medusa, eagle), or
+  None (ngram)."""
+  if kind == "model":
+    return perturbed(target, noise, seed=seed)
+  if kind == "medusa":
+    return random_heads(drafters.MedusaDrafter(target.config, heads), seed, scale)
+  if kind == "eagle":
+    return random_heads(drafters.EagleDrafter.for_target(target.config), seed, scale)
+  return None
 
 
 def assert_target_argmax(target: Model, prompt_ids: list[int], out_ids: list[int]) -> None:

@@ -26,7 +26,6 @@ import numpy as np  # noqa: E402
 import jspec  # noqa: E402
 from jspec import engine, hf, model, pairing, sharding, testing  # noqa: E402
 from jspec.request import make_requests  # noqa: E402
-from jspec.settings import SpecConfig  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)
@@ -34,7 +33,7 @@ DRAFT = dataclasses.replace(CONFIG, n_layers=1, mlp_dim=64)
 target = testing.random_model(CONFIG, seed=0, scale=2.0)
 draft = testing.random_model(DRAFT, seed=1, scale=2.0)
 prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 6, [100, 200, 30, 40, 50], [7], [3, 3], [250, 1], [60, 61, 62]]
-FIXED = SpecConfig(3, adaptive=None)  # every round verifies on the mesh
+FIXED = testing.fixed_k(3)  # every round verifies on the mesh
 
 
 def runs(mesh):

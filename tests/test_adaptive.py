@@ -12,7 +12,7 @@ from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 POLICY = AdaptiveConfig(cost_ratio=0.1, verify_cost=0.05, round_overhead=0.0, fallback_threshold=0.4,
                         probe_interval=4, window=4)
-CONFIG = dataclasses.replace(testing.TINY, vocab_size=16, eos_id=None)
+CONFIG = testing.SMALL_VOCAB
 
 
 def stats_with(rounds):
@@ -120,8 +120,7 @@ def test_batch_rule_uses_the_mean_of_active_rows():
 
 @pytest.fixture(scope="module")
 def pair():
-  target = testing.random_model(CONFIG, seed=0, scale=2.0)
-  return target, testing.perturbed(target, 0.5)
+  return testing.random_pair(CONFIG)
 
 
 @pytest.mark.parametrize("drafter,threshold", [("model", 0.95), ("ngram", 0.0)])

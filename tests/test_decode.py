@@ -1,4 +1,5 @@
-"""End-to-end decoding: greedy identity with the target, ragged batches, stops, statistics, no retrace."""
+"""End-to-end decoding: statistics, stops, the context's edge, prompt buckets, seeds, the pure loop under a
+user's jit. Greedy identity, ragged batches and no retrace, for every drafter: tests/test_drafters.py."""
 import dataclasses
 
 import jax
@@ -6,40 +7,17 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import decode, pairing, testing, tokenizer
+from jspec import decode, pairing, testing
 from jspec.request import make_requests
 
-NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
-# A fixed K every round: with adaptive speculation (the default) K is chosen for the whole batch, so a
-# sampled row's tokens depend on its neighbours, and the counts on the schedule.
-FIXED_K = jspec.SpecConfig(adaptive=None)
+NO_EOS = testing.NO_EOS
+FIXED_K = testing.fixed_k()
 PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\n", "class Foo:\n    def __init__(self"]
 
 
 @pytest.fixture(scope="module")
 def pair():
-  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
-  return target, testing.perturbed(target, 0.5)
-
-
-@pytest.mark.parametrize("draft_len", [1, 5])  # adaptive (the default): every K up to draft_len is a branch
-def test_greedy_speculative_equals_target_argmax_and_ar(pair, draft_len):
-  target, draft = pair
-  ar = jspec.generate(target, PROMPTS, max_new_tokens=24)
-  spec = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=24, draft_len=draft_len)
-  assert spec.token_ids == ar.token_ids
-  assert 0 < spec.stats.acceptance_rate < 1  # the draft disagrees sometimes: both paths are exercised
-  for p, ids in zip(PROMPTS, spec.token_ids):
-    assert len(ids) == 24
-    testing.assert_target_argmax(target, tokenizer.encode(target.tokenizer, p), ids)
-
-
-def test_ragged_batch_rows_equal_rows_alone(pair):
-  target, draft = pair
-  batched = jspec.generate(target, PROMPTS, draft=draft, max_new_tokens=20, draft_len=3)
-  for i, p in enumerate(PROMPTS):
-    alone = jspec.generate(target, [p], draft=draft, max_new_tokens=20, draft_len=3)
-    assert alone.token_ids[0] == batched.token_ids[i]
+  return testing.random_pair()
 
 
 @pytest.mark.parametrize("draft_len", [2, 4])
@@ -104,17 +82,6 @@ def test_request_at_the_edge_of_the_context_finishes(pair):
     jspec.generate(target, [prompt], draft=draft, max_new_tokens=context - 99)
 
 
-def test_no_retrace_across_requests_in_a_bucket(pair):
-  target, draft = pair
-  jspec.generate(target, ["warm up"], draft=draft, max_new_tokens=10, draft_len=3)
-  before = dict(decode.trace_counts)
-  for i, (prompt, temp) in enumerate([("abc", 0.0), ("a longer prompt", 0.7), ("zz", 1.3)]):
-    r = jspec.generate(target, [prompt], draft=draft, max_new_tokens=10 + i, draft_len=3, temperature=temp,
-                       top_k=i * 5, top_p=1.0 - 0.1 * i, seed=i, ignore_eos=bool(i % 2))
-    assert r.stats.compile_seconds == 0.0
-  assert dict(decode.trace_counts) == before
-
-
 def test_prompt_buckets_hold_the_prompt_with_at_most_a_third_padding():
   from jspec.request import prompt_bucket
   widths = [prompt_bucket(n) for n in range(1, 4097)]
@@ -133,6 +100,21 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
   assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
   alone = jspec.generate(target, PROMPTS[1:2], seed=[2], **kw)  # row 1 of seed 1 uses seed 2
   assert alone.token_ids[0] == a.token_ids[1]
+
+
+def test_a_sampling_object_is_the_keywords_and_may_differ_per_prompt(pair):
+  target, draft = pair
+  kw = dict(draft=draft, max_new_tokens=12, seed=3, spec=FIXED_K)
+  hot = jspec.SamplingConfig(temperature=0.9, top_k=5, top_p=0.9)
+  by_keywords = jspec.generate(target, PROMPTS[:2], temperature=0.9, top_k=5, top_p=0.9, **kw)
+  assert jspec.generate(target, PROMPTS[:2], sampling=hot, **kw).token_ids == by_keywords.token_ids
+  mixed = jspec.generate(target, PROMPTS[:2], sampling=[jspec.SamplingConfig(), hot], **kw)
+  assert mixed.token_ids[0] == jspec.generate(target, PROMPTS[:1], **kw).token_ids[0]  # greedy row
+  assert mixed.token_ids[1] == by_keywords.token_ids[1]
+  with pytest.raises(ValueError, match="not both"):
+    jspec.generate(target, PROMPTS[:1], sampling=hot, temperature=0.5)
+  with pytest.raises(ValueError, match="sampling settings for 1 rows, not 2"):
+    jspec.generate(target, PROMPTS[:2], sampling=[hot])
 
 
 def test_chex_max_traces_on_the_pure_loop(pair):

@@ -11,9 +11,9 @@ from jspec import checkpoint, decode, drafters, pairing, shipped, testing
 from jspec.request import make_requests
 from jspec.settings import SpecConfig
 
-VOCAB = 16
-CONFIG = dataclasses.replace(testing.TINY, vocab_size=VOCAB, eos_id=None)
-KINDS = ["model", "medusa", "eagle", "ngram"]
+CONFIG = testing.SMALL_VOCAB
+VOCAB = CONFIG.vocab_size
+KINDS = testing.KINDS
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +21,7 @@ def target():
   return testing.random_model(CONFIG, seed=0, scale=2.0)
 
 
-def make_draft(kind: str, target, seed: int = 1):
-  if kind == "model":
-    return testing.perturbed(target, 0.5, seed=seed)
-  if kind == "medusa":
-    return testing.random_heads(drafters.MedusaDrafter(target.config, 5), seed)
-  if kind == "eagle":
-    return testing.random_heads(drafters.EagleDrafter.for_target(target.config), seed)
-  return None
+make_draft = testing.random_draft
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -36,16 +29,22 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
   return [rng.integers(0, VOCAB, size=int(n)).tolist() for n in rng.integers(1, 12, size=count)]
 
 
-@pytest.mark.parametrize("kind,draft_len", [("model", 1), ("medusa", 4), ("eagle", 4), ("eagle", 1), ("ngram", 4)])
-def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len):
+# (kind, K, adaptive): the draft model also with adaptive K (the default), every K up to 5 a branch.
+GREEDY = [("model", 1, False), ("model", 5, True), ("medusa", 4, False), ("eagle", 4, False), ("eagle", 1, False),
+          ("ngram", 4, False)]
+
+
+@pytest.mark.parametrize("kind,draft_len,adaptive", GREEDY)
+def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len, adaptive):
   ps = prompts(6)
   ar = jspec.generate(target, ps, max_new_tokens=20)
-  spec = jspec.generate(target, ps, draft=make_draft(kind, target), spec=SpecConfig(drafter=kind, adaptive=None),
-                        max_new_tokens=20, draft_len=draft_len)
-  assert spec.stats.drafter == kind
-  assert spec.token_ids == ar.token_ids
-  assert spec.stats.accepted_tokens > 0  # acceptance happens, so rollback paths run too
-  for p, ids in zip(ps, spec.token_ids):
+  spec = SpecConfig(draft_len, drafter=kind) if adaptive else testing.fixed_k(draft_len, drafter=kind)
+  r = jspec.generate(target, ps, draft=make_draft(kind, target), spec=spec, max_new_tokens=20)
+  assert r.stats.drafter == kind
+  assert r.token_ids == ar.token_ids
+  assert 0 < r.stats.acceptance_rate < 1  # drafts are accepted and rejected, so rollback paths run too
+  for p, ids in zip(ps, r.token_ids):
+    assert len(ids) == 20
     testing.assert_target_argmax(target, p, ids)
 
 
@@ -91,13 +90,15 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   assert mid_rejections > 0
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "ngram"])  # the draft model: tests/test_decode.py
+@pytest.mark.parametrize("kind", KINDS)
 def test_no_retrace_across_requests(target, kind):
-  kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind, adaptive=None), draft_len=3)
+  """New prompts of a bucket, lengths, seeds, sampling values and ignore_eos compile nothing new."""
+  kw = dict(draft=make_draft(kind, target), spec=testing.fixed_k(3, drafter=kind))
   jspec.generate(target, [[1, 2, 3]], max_new_tokens=10, **kw)
   before = dict(decode.trace_counts)
   for i, temp in enumerate([0.0, 0.8, 1.2]):
-    r = jspec.generate(target, [[4] * (i + 2)], max_new_tokens=10 + i, temperature=temp, top_k=i, seed=i, **kw)
+    r = jspec.generate(target, [[4] * (i + 2)], max_new_tokens=10 + i, temperature=temp, top_k=i,
+                       top_p=1.0 - 0.1 * i, seed=i, ignore_eos=bool(i % 2), **kw)
     assert r.stats.compile_seconds == 0.0
   assert dict(decode.trace_counts) == before
 
@@ -146,7 +147,7 @@ def test_bad_drafter_requests_are_one_line_errors(target):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_drafters_match_plain_decoding_on_the_small_shipped_target(kind):
-  target = jspec.load(shipped.SMALL.target)
+  target = jspec.load("code-small")  # a shipped pair's name loads its target, as --target does
   draft = jspec.load(shipped.SMALL.drafts[kind]) if kind in shipped.SMALL.drafts else None
   prompts = ["def parse_args(argv):\n", "class Stack:\n    def push(self, item):\n"]
   r = jspec.generate(target, prompts, draft=draft, spec=SpecConfig(drafter=kind, adaptive=None), max_new_tokens=32,

@@ -1,6 +1,5 @@
 """Executables kept on disk: a later process loads the program it needs instead of compiling it, and gets
 the same tokens; another program, other shapes or a damaged file never load a wrong executable."""
-import dataclasses
 import logging
 
 import jax
@@ -9,7 +8,7 @@ import pytest
 import jspec
 from jspec import engine, executables, testing
 
-NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+NO_EOS = testing.NO_EOS
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import jspec
 from jspec import drafters, model, registry, testing
 from jspec.drafters.base import draft_chain
 
-CONFIG = dataclasses.replace(testing.TINY, vocab_size=16, eos_id=None)
+CONFIG = testing.SMALL_VOCAB
 
 
 @registry.register

@@ -22,10 +22,9 @@ import jax  # noqa: E402
 import jspec  # noqa: E402
 from jspec import convert, hf, model, pairing, testing  # noqa: E402
 from jspec.checkpoint import save  # noqa: E402
-from jspec.settings import SpecConfig  # noqa: E402
 from jspec.tokenizer import byte_tokenizer, encode  # noqa: E402
 
-FIXED = SpecConfig(draft_len=3, adaptive=None)  # every round drafts 3: the tests exercise verification
+FIXED = testing.fixed_k(3)  # every round drafts 3: the tests exercise verification
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 COMMON = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -9,7 +9,7 @@ from jspec import decode, drafters, engine, testing, tree
 from jspec.request import make_requests
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
 
-CONFIG = dataclasses.replace(testing.TINY, eos_id=None)
+CONFIG = testing.NO_EOS
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 
 

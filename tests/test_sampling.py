@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import drafters, sampling, testing
+from jspec import sampling, testing
 from jspec.settings import AdaptiveConfig, SpecConfig
 from jspec.verify import verify, verify_greedy, verify_typical
 
@@ -49,11 +49,7 @@ def test_first_two_tokens_match_the_exact_distribution(pair, sp, draft_len):
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "ngram"])
 def test_every_drafter_keeps_the_exact_distribution(pair, kind):
   target, _ = pair
-  draft = None
-  if kind == "medusa":
-    draft = testing.random_heads(drafters.MedusaDrafter(target.config, 3), scale=2.0)
-  elif kind == "eagle":
-    draft = testing.random_heads(drafters.EagleDrafter.for_target(target.config))
+  draft = testing.random_draft(kind, target, seed=0, heads=3, scale=2.0 if kind == "medusa" else 0.5)
   prompt = PROMPT + PROMPT[:2] if kind == "ngram" else PROMPT  # a repeat, so lookup proposes
   tv, bound, stats = _empirical_tv(target, prompt, (0.7, 3, 1.0), draft=draft,
                                    spec=SpecConfig(drafter=kind, adaptive=None), draft_len=3)

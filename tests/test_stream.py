@@ -7,15 +7,14 @@ import pytest
 import jspec
 from jspec import decode, drafters, testing, tokenizer
 
-NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+NO_EOS = testing.NO_EOS
 PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\nimport os, sys, re\n", "class Foo:\n    def",
            "ab", "for i in range(10):\n    print(i, i * i, i ** 3)\n"]  # two prompt buckets
 
 
 @pytest.fixture(scope="module")
 def pair():
-  target = testing.random_model(NO_EOS, seed=0, scale=2.0)
-  return target, testing.perturbed(target, 0.5)
+  return testing.random_pair()
 
 
 def collect(stream):

@@ -9,7 +9,7 @@ import pytest
 
 import jspec
 from jspec import cache as kvcache
-from jspec import checkpoint, decode, drafters, model, pairing, testing, tree
+from jspec import checkpoint, decode, model, pairing, testing, tree
 from jspec.config import num_params
 from jspec.settings import DEFAULT_TREE, CostModel, SpecConfig, TreeConfig
 
@@ -179,16 +179,12 @@ def test_the_p_minus_q_residual_is_wrong_for_top_k_children():
 
 
 # The whole loop with a tree: Medusa's static tree, EAGLE-2's and the draft model's dynamic trees.
-NO_EOS = dataclasses.replace(testing.TINY, eos_id=None)
+NO_EOS = testing.NO_EOS
 TREE = TreeConfig(top_k=3, nodes=10)
 
 
 def _draft(kind, target, scale=2.0):
-  if kind == "medusa":
-    return testing.random_heads(drafters.MedusaDrafter(target.config, 3), scale=scale)
-  if kind == "eagle":
-    return testing.random_heads(drafters.EagleDrafter.for_target(target.config), scale=scale)
-  return testing.perturbed(target, 0.5)
+  return testing.random_draft(kind, target, heads=3, scale=scale)
 
 
 @pytest.fixture(scope="module")
