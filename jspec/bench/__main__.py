@@ -57,7 +57,7 @@ def _sweep(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
 def _quick(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
   target = testing.random_model(testing.TINY, scale=2.0)
   drafts = {"model": testing.perturbed(target, 0.3), "ngram": None}
-  return {"sets": {"quick": sweep.suite_sweep(target, drafts, ["def f(x):", "import os\n"], [2], [0.0, 1.0], [1, 2],
+  return {"sets": {"quick": sweep.suite_sweep(target, drafts, ["def f(x):", "import os\n"], [2], [1.0], [1, 2],
                                               16, 1)}}
 
 
