@@ -102,6 +102,21 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
   assert alone.token_ids[0] == a.token_ids[1]
 
 
+def test_requests_stop_each_row_at_its_own_tokens(pair):
+  target, _ = pair
+  decoder = pairing.make_decoder(target, None, None, 2)
+  per_row = make_requests(decoder, [[1, 2], [3]], 4, stop_ids=[[7], [8, 9]])
+  assert per_row.stop_BxE.tolist() == [[7, -1], [8, 9]]
+  assert make_requests(decoder, [[1]], 4, stop_ids=[5, 6]).stop_BxE.tolist() == [[5, 6]]
+  assert make_requests(decoder, [[1]], 4, ignore_eos=True).stop_BxE.tolist() == [[-1]]
+  plain = jspec.generate(target, [[1, 2], [3]], max_new_tokens=8).token_ids
+  stops = [plain[0][2], plain[1][4]]  # each row's third and fifth token
+  requests = make_requests(decoder, [[1, 2], [3]], 8, stop_ids=[[s] for s in stops])
+  r = decode.run(decoder, decode.start(decoder, requests))
+  lens = (r.seq_lens_B - r.prompt_lens_B).tolist()
+  assert lens[0] == plain[0].index(stops[0]) + 1 and lens[1] == plain[1].index(stops[1]) + 1
+
+
 def test_a_sampling_object_is_the_keywords_and_may_differ_per_prompt(pair):
   target, draft = pair
   kw = dict(draft=draft, max_new_tokens=12, seed=3, spec=FIXED_K)

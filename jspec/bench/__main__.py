@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 
+import jspec
 from jspec import shipped, testing
 from jspec.bench import end_to_end, gpu, parts, sweep
 from jspec.bench.prompts import PROMPT_SETS
@@ -33,8 +34,6 @@ def _kinds(args) -> list[str]:
 
 
 def _sweep(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
-  import jspec
-
   target = jspec.load(models.target)
   drafts = {kind: parts.shipped_pair(models, kind)[1] for kind in _kinds(args)}
   result = {"sets": {}}

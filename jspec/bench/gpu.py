@@ -125,7 +125,7 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
   prompt = np.random.default_rng(0).integers(0, target_config.vocab_size, (1, 256)).tolist()
   for k in ((2,) if smoke else (2, 4, 8)):
     decoder = pairing.make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
-    requests = make_requests(decoder, prompt, 8, ignore_eos=True, capacity_slots=512)
+    requests = make_requests(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
     state = jax.jit(decode.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
 
     def timed(step, state=state, decoder=decoder):

@@ -193,7 +193,7 @@ def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max
   512 slots."""
   decoder = pairing.make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
   prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)).tolist()
-  requests = make_requests(decoder, prompts, 512 - used - decoder.headroom - 1, ignore_eos=True, capacity_slots=512)
+  requests = make_requests(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
   return decoder, decode.start(decoder, requests.replace(max_new_tokens_B=np.full((batch,), max_new, np.int32)))
 
 
