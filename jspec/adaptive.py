@@ -20,6 +20,11 @@ The batch shares one target forward, so the policy is per batch:
   alpha and o = v = 0 this is Leviathan's (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on a CPU o and v
   are far from 0 (a verify of a few tokens costs well over one step: docs/cpu-performance.md), and
   ignoring them picks drafts of the wrong length. `initial_draft_len` until any row has data.
+- Stepping aside: a plain step whatever the acceptance when no running row speculates (a request may turn
+  speculation off), or when `disable_at_rows` rows or more run. The fallback below also takes plain steps
+  when no K would beat a plain step even at full acceptance, at the costs for the rows running (a loaded
+  batch). A server thus decodes plainly under load and speculates when quiet, round by round, in one
+  program.
 - Fallback: when the mean windowed rate of the active rows whose window is full (W speculative rounds) is
   below `fallback_threshold`, or no K is expected to beat a plain step (a large batch, whose verify costs
   more), the round is a plain target step (branch 0); a rate from fewer rounds is too noisy to stop on
@@ -111,20 +116,35 @@ def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(mask_B, x_B, 0.0), -1) / jnp.maximum(jnp.sum(mask_B, -1), 1)
 
 
-def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig,
-           max_draft_len: int) -> tuple[jax.Array, jax.Array]:
+def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig, max_draft_len: int,
+           speculating_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Returns (draft_len, probe): draft_len 0 means a plain target step. `policy` has its cost model set
-  (`AdaptiveConfig.with_costs`)."""
+  (`AdaptiveConfig.with_costs`); its costs are those at the number of `active_B` rows (every active row
+  rides in the verify); acceptance is read from the active rows that speculate (`speculating_B`, default
+  all)."""
+  rows = active_B.sum()
+  costs_Rx3 = jnp.asarray(policy.costs_by_rows or (policy.cost.as_tuple(),), jnp.float32)
+  c, v, o = costs_Rx3[jnp.clip(rows, 1, costs_Rx3.shape[0]) - 1]
+  active_B = active_B if speculating_B is None else active_B & speculating_B
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)
   rates_BxK = acceptance.position_rates(jnp.nan_to_num(alpha_B))
-  gain_BxK = expected_speedup(rates_BxK, policy.cost_ratio, policy.verify_cost, policy.round_overhead)
+  gain_BxK = expected_speedup(rates_BxK, c, v, o)
   gain_K = _masked_mean(gain_BxK.T, has_data[None, :])
   best = jnp.where(has_data.any(), 1 + jnp.argmax(gain_K), min(policy.initial_draft_len, max_draft_len))
 
   window_B = acceptance.window_rate
   windowed = active_B & acceptance.window_full
   low = _masked_mean(jnp.nan_to_num(window_B), windowed) < policy.fallback_threshold
-  fallback = windowed.any() & (policy.fallback_threshold > 0) & (low | (jnp.max(gain_K) < 1))
-  probe = fallback & (acceptance.plain_since_spec >= policy.probe_interval)
-  return jnp.where(fallback & ~probe, 0, best).astype(jnp.int32), probe
+  # Or whatever the acceptance, when no K would pay even if every proposal were accepted (a loaded batch,
+  # whose verify costs more than it gains).
+  ceiling = jnp.max(expected_speedup(jnp.ones((1, max_draft_len)), c, v, o))
+  fallback = (policy.fallback_threshold > 0) & ((windowed.any() & (low | (jnp.max(gain_K) < 1))) | (ceiling < 1))
+  # Stepping aside: no running row speculates, or too many rows run.
+  disabled = policy.disable_at_rows is not None and rows >= (policy.disable_at_rows or 0)
+  aside = ~active_B.any() | disabled
+  # Probes run even then: one round of K = 1 every `probe_interval` plain steps keeps a drafter that
+  # plain steps leave behind (`Drafter.lags_plain_steps`) within its catch-up reach.
+  probe = (fallback | aside) & (acceptance.plain_since_spec >= policy.probe_interval)
+  draft_len = jnp.where(aside, 1, best)
+  return jnp.where((fallback | aside) & ~probe, 0, draft_len).astype(jnp.int32), probe

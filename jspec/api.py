@@ -109,8 +109,7 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   texts = [detokenize(target.tokenizer, ids) for ids in token_ids]
   spec = decoder.spec if decoder.drafter is not None else None
   return Result(texts=texts, token_ids=token_ids, stats=Stats.from_device(stats, wall, compile_seconds, spec),
-                request_stats=[RequestStats.of_row(stats.row_rounds_B, stats.row_drafted_B, stats.row_accepted_B, b,
-                                                   len(ids)) for b, ids in enumerate(token_ids)])
+                request_stats=[RequestStats.of_row(stats, b, len(ids)) for b, ids in enumerate(token_ids)])
 
 
 def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft: Model | Heads | None = None,

@@ -94,6 +94,7 @@ class DecodeState:
   drafter_state: DrafterState
   stats: DecodeStats
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (none: no EOS, or EOS ignored)
+  speculate_B: jax.Array  # bool: row b's drafts may be accepted (else it decodes plainly in every round)
 
   # The unsuffixed names of the previous release, read-only, for one release.
   tokens = property(lambda self: self.tokens_BxT)
@@ -135,7 +136,7 @@ def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None
       drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
       stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
                               spec.trace_rounds if drafter is not None else 0),
-      stop_BxE=requests.stop_BxE.astype(jnp.int32))
+      stop_BxE=requests.stop_BxE.astype(jnp.int32), speculate_B=requests.speculate_B.astype(bool))
   # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it).
   final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
@@ -266,13 +267,18 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
         is_greedy(state.sampling), lambda: verify_greedy(draft_BxK, logits_BxK1xV),
         lambda: verify(keys_Bx2, draft_BxK, probabilities(proposal.logits_BxKxV, state.sampling),
                        probabilities(logits_BxK1xV, state.sampling)))
-  has_draft = proposal.has_draft_B
-  if decoder.drafter.can_skip_rounds:
-    # A row without a proposal draws exactly what a plain target step would, with the same key, so its
-    # tokens do not depend on whether another row's proposal turned this round into a verify.
-    n_accepted = jnp.where(has_draft, n_accepted, 0)
-    token = jnp.where(has_draft, token, next_token(keys_Bx2, logits_BxK1xV[:, 0], state.sampling))
+  has_draft = proposal.has_draft_B & state.speculate_B
+  n_accepted, token = _plain_where_no_draft(has_draft, n_accepted, token, keys_Bx2, logits_BxK1xV, state)
   return _accept(decoder, state, draft_BxK, n_accepted, token, has_draft, target_cache, hidden, n)
+
+
+def _plain_where_no_draft(has_draft_B: jax.Array, n_accepted_B: jax.Array, token_B: jax.Array, keys_Bx2: jax.Array,
+                          logits_BxSxV: jax.Array, state: DecodeState) -> tuple[jax.Array, jax.Array]:
+  """A row without a proposal (or that does not speculate) accepts nothing and draws exactly what a plain
+  target step would, with the same key, so its tokens do not depend on whether other rows' proposals
+  turned this round into a verify."""
+  return (jnp.where(has_draft_B, n_accepted_B, 0),
+          jnp.where(has_draft_B, token_B, next_token(keys_Bx2, logits_BxSxV[:, 0], state.sampling)))
 
 
 def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposal,
@@ -292,10 +298,11 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
       lambda: tree.verify_greedy(proposal.tokens_BxM, proposal.parents_BxM, logits_BxM1xV, depth, width),
       lambda: tree.verify(keys_Bx2, proposal.tokens_BxM, proposal.parents_BxM,
                           probabilities(logits_BxM1xV, state.sampling), q_BxM1xV, depth, width, proposal.rule))
+  n_accepted, token = _plain_where_no_draft(state.speculate_B, n_accepted, token, keys_Bx2, logits_BxM1xV, state)
   target_cache = tree.compact(target_cache, n - 1, path_BxL1)
   hidden_BxL1xD = jnp.take_along_axis(hidden, path_BxL1[:, :, None], axis=1)
-  return _accept(decoder, state, _gather(chunk_BxM1, path_BxL1[:, 1:]), n_accepted, token,
-                 jnp.ones_like(state.done_B), target_cache, hidden_BxL1xD, n)
+  return _accept(decoder, state, _gather(chunk_BxM1, path_BxL1[:, 1:]), n_accepted, token, state.speculate_B,
+                 target_cache, hidden_BxL1xD, n)
 
 
 def _draft_tree_and_verify(decoder: Decoder, state: DecodeState) -> DecodeState:
@@ -319,7 +326,7 @@ def _draft_and_verify(decoder: Decoder, draft_len: int, state: DecodeState, keys
   verify_keys = keys_K1xBx2[-1]
   if not decoder.drafter.can_skip_rounds:
     return verify_step(decoder, state, proposal, verify_keys)
-  has_any = jnp.any(proposal.has_draft_B & ~state.done_B)
+  has_any = jnp.any(proposal.has_draft_B & state.speculate_B & ~state.done_B)
   state = run_if(has_any, lambda s: verify_step(decoder, s, proposal, verify_keys), state)
   return run_if(~has_any, lambda s: plain_step(decoder, s, verify_keys), state)
 
@@ -334,7 +341,8 @@ def speculative_step(decoder: Decoder, state: DecodeState) -> DecodeState:
     state = _draft_and_verify(decoder, spec.draft_len, state, keys)
     return state.replace(stats=state.stats.count_schedule(spec.draft_len))
   # One branch per K (and a plain step for K = 0), chosen at run time: nothing recompiles as K changes.
-  draft_len, probe = adaptive.choose(state.stats.acceptance, ~state.done_B, spec.adaptive, spec.draft_len)
+  draft_len, probe = adaptive.choose(state.stats.acceptance, ~state.done_B, spec.adaptive, spec.draft_len,
+                                     state.speculate_B)
   branches = [lambda s: plain_step(decoder, s, keys[-1])]
   branches += [lambda s, k=k: _draft_and_verify(decoder, k, s, keys) for k in range(1, spec.draft_len + 1)]
   before = state.seq_lens_B[0]
@@ -351,16 +359,19 @@ def step(decoder: Decoder, state: DecodeState) -> DecodeState:
 
 
 def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
-        stop_at_finish: jax.Array | bool = False) -> DecodeState:
+        stop_at_finish: jax.Array | bool = False, retire_B: jax.Array | None = None) -> DecodeState:
   """Decodes until every row is done, in one `lax.while_loop`. Pure: jit it yourself or use
   `jspec.engine`.
 
   A segment: with `max_rounds` it also stops after that many rounds, and with `stop_at_finish` as soon as
   a row that was running finishes; both are runtime values, so one executable serves every segment, and
   the host continues the returned state (streaming, refilling finished rows with `insert`). The segments of
-  a request decode exactly what one call would: nothing but the state carries over between rounds."""
+  a request decode exactly what one call would: nothing but the state carries over between rounds.
+  `retire_B` marks rows to end before the first round (aborted requests, idle slots)."""
   trace_counts["speculative" if decoder.drafter is not None else "autoregressive"] += 1
   max_rounds = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
+  if retire_B is not None:
+    state = state.replace(done_B=state.done_B | retire_B)
   running_B = ~state.done_B
 
   def more(carry):

@@ -19,7 +19,8 @@ def drafter_kind(draft: Model | Heads) -> str:
 
 def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | None, batch: int) -> Decoder:
   """The decoder for a batch of `batch` rows. Plain decoding when neither a draft nor `spec.drafter` is
-  given, or when the batch reaches `spec.disable_at_batch_size`. Mismatches are one-line ValueErrors.
+  given, or, without adaptive K, when the batch reaches `spec.disable_at_batch_size` (with it, the
+  policy steps aside per round, from the rows running). Mismatches are one-line ValueErrors.
 
   The target's LM head is made explicit here (`model.with_head`), once, so every program and every step
   driven by hand runs with it."""
@@ -41,8 +42,9 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
       raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
     params, measured = draft.params, draft.cost_models.get(kind)
   drafter = cls.for_pair(target, draft, spec)
-  if spec.disable_at_batch_size is not None and batch >= spec.disable_at_batch_size:
-    return plain  # vLLM's rule: large batches gain little from speculation
+  disable_at = spec.disable_at_batch_size
+  if disable_at is not None and batch >= disable_at and (spec.adaptive is None or spec.tree is not None):
+    return plain  # vLLM's rule: large batches gain little from speculation (adaptive: per round, below)
   if measured is not None and measured.target_params not in (None, num_params(target.config)):
     measured = None  # measured with another target
   policy = spec.adaptive
@@ -51,8 +53,9 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     policy = None
     drafter = drafter.with_max_lag(spec.draft_len)  # a cache may trail the text by the accepted path
   if policy is not None:
-    policy = policy.with_costs((measured or CostModel.neutral(cls.needs_weights)).for_batch(batch))
-    if drafter.lags_plain_steps and policy.fallback_threshold > 0:  # plain steps leave the drafter behind
+    policy = dataclasses.replace(policy.with_costs(measured or CostModel.neutral(cls.needs_weights), batch),
+                                 disable_at_rows=disable_at)
+    if drafter.lags_plain_steps:  # plain steps leave it behind, by up to a probe interval (`jspec.adaptive`)
       drafter = drafter.with_max_lag(policy.probe_interval + 1)
   spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)
   return Decoder(target_params, params, target_config=target.config, drafter=drafter, spec=spec)

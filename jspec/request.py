@@ -36,6 +36,7 @@ class Requests:
   sampling: SamplingParams
   seeds_B: jax.Array  # uint32: row b's PRNG seed
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (see `stop_table`)
+  speculate_B: jax.Array  # bool: row b may accept drafts (False: it decodes plainly, in speculative rounds)
   capacity: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
@@ -54,14 +55,18 @@ def capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
   return kvcache.round_capacity(prompt_width + max_new_tokens + headroom + 1)
 
 
-def stop_table(stop_ids: Sequence[int] | Sequence[Sequence[int]], batch: int) -> np.ndarray:
-  """`Requests.stop_BxE`: the tokens that end each row, -1 padded (a row of -1: none), from one list for
-  every row or a list per row."""
+def stop_table(stop_ids: Sequence[int] | Sequence[Sequence[int]], batch: int,
+               width: int | None = None) -> np.ndarray:
+  """`Requests.stop_BxE`: the tokens that end each row, -1 padded (a row of -1: none) to `width` (default:
+  the longest list), from one list for every row or a list per row."""
   rows = [list(stop_ids)] * batch if not stop_ids or isinstance(stop_ids[0], numbers.Integral) else \
       [list(r) for r in stop_ids]
   if len(rows) != batch:
     raise ValueError(f"got stop ids for {len(rows)} rows, not {batch}")
-  width = max(1, *(len(r) for r in rows))
+  longest = max(1, *(len(r) for r in rows))
+  if width is not None and longest > width:
+    raise ValueError(f"at most {width} stop token ids, got {longest}")
+  width = width or longest
   return np.asarray([r + [-1] * (width - len(r)) for r in rows], np.int32).reshape(batch, width)
 
 
@@ -75,15 +80,16 @@ def seed_array(seed: int | Sequence[int], batch: int) -> np.ndarray:
   return np.asarray(seeds, np.uint32)
 
 
-def check_prompts(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+def check_prompts(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+                  context: int | None = None) -> None:
   """Raises a one-line ValueError for anything the loop cannot serve: no prompts, an empty one, ids outside
-  the vocabulary, or a prompt that with `max_new_tokens` exceeds the context of the target (or the
-  drafter's, if shorter)."""
+  the vocabulary, or a prompt that with `max_new_tokens` exceeds `context` (default: the context of the
+  target, or the drafter's if shorter)."""
   if not prompt_ids:
     raise ValueError("no prompts given")
   if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
-  vocab, context = decoder.target_config.vocab_size, decoder.context_len
+  vocab, context = decoder.target_config.vocab_size, context or decoder.context_len
   for i, ids in enumerate(prompt_ids):
     if not len(ids):
       raise ValueError(f"prompt {i} is empty")
@@ -98,12 +104,15 @@ def make_requests(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new
                   sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
                   seed: int | Sequence[int] = 0, ignore_eos: bool = False,
                   stop_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                  width: int | None = None, capacity_slots: int | None = None) -> Requests:
+                  width: int | None = None, capacity_slots: int | None = None, stop_width: int | None = None,
+                  speculate: bool | Sequence[bool] = True) -> Requests:
   """The requests for `prompt_ids` (token-id lists), checked against `decoder` (`check_prompts`).
 
   Prompts are right-padded to their bucket (`prompt_bucket`, or `width`); the capacity is what the widest
   needs (`capacity`), or `capacity_slots` (a running batch's, for rows inserted into it). Rows stop at the
-  target's EOS tokens, or at `stop_ids` (one list, or one per row), or at none with `ignore_eos`."""
+  target's EOS tokens, or at `stop_ids` (one list, or one per row), or at none with `ignore_eos`; the stop
+  table is `stop_width` wide when given (a running batch's, for inserted rows). `speculate` (one value, or
+  one per row) False makes a row decode plainly."""
   check_prompts(decoder, prompt_ids, max_new_tokens)
   batch, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
   width = width or prompt_bucket(longest)
@@ -117,4 +126,5 @@ def make_requests(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new
   return Requests(prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(p) for p in prompt_ids], np.int32),
                   max_new_tokens_B=np.full((batch,), max_new_tokens, np.int32),
                   sampling=sampling_arrays(sampling, batch), seeds_B=seed_array(seed, batch),
-                  stop_BxE=stop_table(stops, batch), capacity=slots)
+                  stop_BxE=stop_table(stops, batch, stop_width),
+                  speculate_B=np.broadcast_to(np.asarray(speculate, bool), (batch,)).copy(), capacity=slots)

@@ -1,10 +1,14 @@
-"""Segmented decoding driven from the host: streaming, and continuous batching of many prompts over slots.
+"""The online engine: requests arrive at any time, decode in a running batch of slots, hand out their text
+as rounds are accepted, and can be aborted. `jspec.stream`, the CLI's continuous batching and the server
+(`jspec.serve`) all run on it.
 
-The batch has a fixed number of rows (slots). The decode loop runs in segments (`jspec.decode.run` with
+The batch has a fixed number of rows (slots) and a fixed capacity (tokens a row may hold), set when the
+engine starts, so nothing compiles per request. The decode loop runs in segments (`jspec.decode.run` with
 `max_rounds`), each one executable call that keeps the whole loop on the device; between segments the host
-reads the new tokens of every row and hands them out as text deltas. A finished row ends its segment early
-while prompts are waiting, and the next prompt is prefilled into its slot (`jspec.decode.insert`): its
-cache rows, drafter state, sampling values and seed. A prompt's tokens depend only on its own row, so they
+(`Engine.step`) ends aborted rows, prefills waiting requests into free slots (`jspec.decode.insert`: their
+cache rows, drafter state, sampling values, stop tokens and seed), runs the next segment, and reads the new
+tokens of every row as text deltas. First come, first served. A segment ends early when a row finishes
+while requests wait, so a free slot does not idle. A request's tokens depend only on its own row, so they
 are those it would get decoded alone (with a fixed K; adaptive K is chosen for the whole batch, which
 changes which tokens a sampled row draws, never their distribution).
 """
@@ -12,108 +16,282 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from jspec import engine, request, sharding
 from jspec.decode import Decoder
+from jspec.request import GREEDY
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
 from jspec.tokenizer import IncrementalDetokenizer
 
-# Rounds per segment (one host visit) when streaming: few enough host visits that they cost little
-# throughput (docs/streaming.md), often enough that text appears every few tens of milliseconds. A segment
-# also ends when a row finishes, so continuous batching does not wait for it.
+# Rounds per segment (one host visit): few enough host visits that they cost little throughput
+# (docs/streaming.md), often enough that text appears every few tens of milliseconds.
 SEGMENT_ROUNDS = 16
+MAX_STOP_IDS = 8  # stop token ids a request may add to the target's EOS tokens (a compiled width)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One request as the engine takes it. `stop`: strings that end the text (checked on the text; the
+  stop string is not returned); `stop_ids`: tokens that end it besides the target's EOS tokens (which
+  `ignore_eos` drops); `speculate` False decodes this request plainly."""
+  prompt_ids: Sequence[int]
+  max_new_tokens: int
+  sampling: SamplingConfig = GREEDY
+  seed: int = 0
+  stop: Sequence[str] = ()
+  stop_ids: Sequence[int] = ()
+  ignore_eos: bool = False
+  speculate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
-  """New output of one prompt since its last delta. The last delta of a prompt has `finished` set and the
-  prompt's statistics."""
-  index: int  # the prompt's position in the request
+  """New output of one request since its last delta. The last delta of a request has `finished` set, its
+  `finish_reason` ("stop": an EOS, a stop token or a stop string; "length": max_new_tokens; "abort") and
+  its statistics."""
+  index: Hashable  # the request's id
   text: str
   token_ids: list[int]
   finished: bool = False
   stats: RequestStats | None = None
+  finish_reason: str | None = None
+
+
+class _Text:
+  """A request's text, detokenized incrementally and cut at its first stop string; while the text's end
+  could begin a stop string, that end is held back."""
+
+  def __init__(self, tokenizer, stops: Sequence[str]):
+    self.detokenizer, self.stops = IncrementalDetokenizer(tokenizer), [s for s in stops if s]
+    self.hold = max(map(len, self.stops), default=1) - 1
+    self.held = ""
+
+  def push(self, ids: list[int], final: bool = False) -> tuple[str, bool]:
+    """The text to hand out now, and whether a stop string ended it."""
+    text = self.held + self.detokenizer.push(ids) + (self.detokenizer.flush() if final else "")
+    cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+    if cut >= 0:
+      self.held = ""
+      return text[:cut], True
+    keep = 0 if final else min(self.hold, len(text))
+    self.held = text[len(text) - keep:]
+    return text[:len(text) - keep], False
+
+
+@dataclasses.dataclass
+class _Running:
+  """The host's side of an occupied slot."""
+  id: Hashable
+  request: Request
+  text: _Text
+  stop_ids: frozenset[int]
+  sent: int = 0  # tokens handed out
+
+
+class Engine:
+  """Requests in (`add`, from any thread), deltas out (`step`, from one thread).
+
+  `slots` rows decode together; each holds up to `max_len` tokens (prompt and output; default the
+  decoder's context). A request that cannot fit is refused by `add` with a ValueError, before it waits.
+  """
+
+  def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
+               segment_rounds: int = SEGMENT_ROUNDS):
+    if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
+      raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
+    context = decoder.context_len
+    max_len = max_len or context
+    if not (isinstance(max_len, int) and 2 <= max_len <= context):
+      raise ValueError(f"max_len must be an integer in [2, {context}] (the model's context), got {max_len}")
+    self.decoder, self.tokenizer, self.slots, self.max_len = decoder, tokenizer, slots, max_len
+    self.segment_rounds = segment_rounds
+    self.capacity = max(request.capacity(0, max_len, decoder.headroom),
+                        request.capacity(request.prompt_bucket(max_len), 0, 0))
+    eos = tuple(decoder.target_config.stop_ids)
+    self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
+    self.compile_seconds = 0.0  # compiling (or loading) programs
+    self.decode_seconds = 0.0  # running them
+    self._executables: dict = {}
+    self._lock = threading.Lock()
+    self._waiting: collections.deque[tuple[Hashable, Request]] = collections.deque()
+    self._aborted: set[Hashable] = set()
+    self._ids = itertools.count()
+    self._running: list[_Running | None] = [None] * slots
+    self._retire_B = np.ones((slots,), bool)  # rows to end at the next segment (idle or aborted)
+    self._state = None
+    self._device_stats = None  # the statistics after the last segment, on the host
+
+  # --- requests in (any thread) ---
+
+  def check(self, req: Request) -> None:
+    """Raises a one-line ValueError for a request this engine cannot serve."""
+    request.check_prompts(self.decoder, [req.prompt_ids], req.max_new_tokens, self.max_len)
+    if not isinstance(req.sampling, SamplingConfig):
+      raise ValueError("sampling must be a SamplingConfig")
+    request.seed_array([req.seed], 1)
+    if len(req.stop_ids) > MAX_STOP_IDS:
+      raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(req.stop_ids)}")
+    vocab = self.decoder.target_config.vocab_size
+    if any(not 0 <= int(t) < vocab for t in req.stop_ids):
+      raise ValueError(f"stop token ids must be in [0, {vocab})")
+    if not all(isinstance(s, str) for s in req.stop):
+      raise ValueError("stop strings must be strings")
+
+  def add(self, req: Request, request_id: Hashable | None = None) -> Hashable:
+    """Queues a request (checked first); returns its id (`request_id`, else a new integer)."""
+    self.check(req)
+    with self._lock:
+      request_id = next(self._ids) if request_id is None else request_id
+      self._waiting.append((request_id, req))
+    return request_id
+
+  def abort(self, request_id: Hashable) -> None:
+    """Ends a request, waiting or running; its last delta (finish_reason "abort") comes from the next
+    `step`, and its slot is free for the segment after it."""
+    with self._lock:
+      self._aborted.add(request_id)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
+
+  @property
+  def num_running(self) -> int:
+    return sum(r is not None for r in self._running)
+
+  @property
+  def has_work(self) -> bool:
+    return bool(self._waiting or self._aborted) or self.num_running > 0
+
+  # --- deltas out (one thread) ---
+
+  def step(self) -> list[Delta]:
+    """Ends aborted requests, starts waiting ones in free slots, runs one segment, and returns the deltas
+    since the last step."""
+    with self._lock:
+      aborted, self._aborted = self._aborted, set()
+      dropped = [i for i, _ in self._waiting if i in aborted]
+      self._waiting = collections.deque(w for w in self._waiting if w[0] not in aborted)
+    deltas = [Delta(i, "", [], True, None, "abort") for i in dropped]
+    for b, run in enumerate(self._running):
+      if run is not None and run.id in aborted:
+        deltas.append(self._finish(b, "", [], "abort"))
+    self._admit()
+    if self.num_running == 0:
+      return deltas
+    begin = time.perf_counter()
+    compiled = self.compile_seconds
+    state = self._call("segment", engine.resume, self.decoder, self._state, np.int32(self.segment_rounds),
+                       np.asarray(bool(self._waiting)), self._retire_B.copy())
+    self._retire_B[:] = False
+    tokens, seq_lens, done, stats = jax.device_get((state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats))
+    self._state, self._device_stats = state, stats
+    self.decode_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
+    for b, run in enumerate(self._running):
+      if run is None:
+        continue
+      start = len(run.request.prompt_ids) + run.sent
+      new_ids = tokens[b, start:seq_lens[b]].tolist()
+      run.sent += len(new_ids)
+      text, stopped = run.text.push(new_ids, final=bool(done[b]))
+      if stopped or done[b]:
+        reason = "stop" if stopped or (new_ids and new_ids[-1] in run.stop_ids) else "length"
+        deltas.append(self._finish(b, text, new_ids, reason))
+      elif new_ids:
+        deltas.append(Delta(run.id, text, new_ids))
+    return deltas
+
+  def _finish(self, b: int, text: str, new_ids: list[int], reason: str) -> Delta:
+    run = self._running[b]
+    stats = None if self._device_stats is None else RequestStats.of_row(self._device_stats, b, run.sent)
+    self._running[b] = None
+    self._retire_B[b] = True
+    return Delta(run.id, text, new_ids, True, stats, reason)
+
+  def _admit(self) -> None:
+    """Prefills waiting requests into free slots, first come first served."""
+    if self._state is None and self._waiting:  # idle rows, ended by the first segment
+      idle = [Request([0], 1)] * self.slots
+      self._state = self._call("prefill", engine.start, self.decoder, self._requests(idle))
+    for b in range(self.slots):
+      if self._running[b] is not None or not self._waiting:
+        continue
+      with self._lock:
+        request_id, req = self._waiting.popleft()
+      self._state = self._call("insert", engine.insert, self.decoder, self._state,
+                               self._requests([req]), np.int32(b))
+      stops = frozenset(() if req.ignore_eos else self.eos) | {int(t) for t in req.stop_ids}
+      self._running[b] = _Running(request_id, req, _Text(self.tokenizer, req.stop), stops)
+      self._retire_B[b] = False
+
+  def _requests(self, reqs: list[Request]) -> request.Requests:
+    stop_ids = [list(() if r.ignore_eos else self.eos) + [int(t) for t in r.stop_ids] for r in reqs]
+    requests = request.make_requests(
+        self.decoder, [r.prompt_ids for r in reqs], max(r.max_new_tokens for r in reqs),
+        sampling=[r.sampling for r in reqs], seed=[r.seed for r in reqs], stop_ids=stop_ids,
+        capacity_slots=self.capacity, stop_width=self.stop_width, speculate=[r.speculate for r in reqs])
+    requests = requests.replace(max_new_tokens_B=np.asarray([r.max_new_tokens for r in reqs], np.int32))
+    layout = self.decoder.layout
+    return requests if layout is None else sharding.place(requests, layout.mesh)
+
+  def _call(self, name: str, jitted, *args):
+    """Runs `jitted` through its executable for these shapes. The engine keeps the executables it used:
+    finding one in the engine's cache hashes every argument's shape and static field, which costs more
+    than a segment's call."""
+    key = (name, args[2].prompts_BxP.shape if name == "insert" else None)
+    if key not in self._executables:
+      executable, seconds = engine.compiled(name, lambda: jitted.lower(*args), args)
+      self._executables[key] = executable
+      self.compile_seconds += seconds
+    begin = time.perf_counter()
+    out = self._executables[key](*args)
+    if name != "segment":
+      jax.block_until_ready(out)
+      self.decode_seconds += time.perf_counter() - begin
+    return out
+
+  @property
+  def stats(self) -> Stats | None:
+    """The totals since the engine started (None before its first segment)."""
+    if self._device_stats is None:
+      return None
+    spec = self.decoder.spec if self.decoder.drafter is not None else None
+    return Stats.from_device(self._device_stats, self.decode_seconds, self.compile_seconds, spec)
 
 
 class Stream:
-  """Iterating yields `Delta`s as rounds are accepted; afterwards `stats` holds the totals."""
+  """Decodes a list of prompts on an `Engine`: iterating yields `Delta`s as rounds are accepted (`index`:
+  the prompt's position); afterwards `stats` holds the totals."""
 
   def __init__(self, decoder: Decoder, tokenizer, prompt_ids: Sequence[Sequence[int]], *, slots: int,
                max_new_tokens: int, sampling: SamplingConfig | Sequence[SamplingConfig], seeds: Sequence[int],
                ignore_eos: bool, segment_rounds: int = SEGMENT_ROUNDS):
-    if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
-      raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
-    self.decoder, self.tokenizer = decoder, tokenizer
-    self.prompt_ids, self.seeds = [list(p) for p in prompt_ids], list(seeds)
-    self.sampling = [sampling] * len(self.prompt_ids) if isinstance(sampling, SamplingConfig) else list(sampling)
-    self.slots = slots  # rows of the batch (the decoder was made for this many), at most one per prompt
-    self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
-    self.segment_rounds = segment_rounds
-    widest = request.prompt_bucket(max(len(p) for p in self.prompt_ids))
-    self.capacity = request.capacity(widest, max_new_tokens, decoder.headroom)
+    samplings = [sampling] * len(prompt_ids) if isinstance(sampling, SamplingConfig) else list(sampling)
+    self.requests = [Request(list(p), max_new_tokens, s, seed, ignore_eos=ignore_eos)
+                     for p, s, seed in zip(prompt_ids, samplings, seeds)]
+    self.decoder, self.slots = decoder, slots  # rows of the batch (the decoder was made for this many)
+    widest = max(len(p) for p in prompt_ids)
+    self.engine = Engine(decoder, tokenizer, slots=slots, max_len=min(widest + max_new_tokens, decoder.context_len),
+                         segment_rounds=segment_rounds)
+    for req in self.requests:
+      self.engine.check(req)
     self.stats: Stats | None = None
-    self.compile_seconds = 0.0
-    self._executables: dict = {}
 
-  def _requests(self, indices: Sequence[int]) -> request.Requests:
-    requests = request.make_requests(self.decoder, [self.prompt_ids[i] for i in indices], self.max_new_tokens,
-                                     sampling=[self.sampling[i] for i in indices],
-                                     seed=[self.seeds[i] for i in indices], ignore_eos=self.ignore_eos,
-                                     capacity_slots=self.capacity)
-    layout = self.decoder.layout
-    return requests if layout is None else sharding.place(requests, layout.mesh)
-
-  def _call(self, name: str, jitted, *args, **static):
-    """Runs `jitted` through its executable for these shapes. The stream keeps the executables it used:
-    finding one in the engine's cache hashes every argument's shape and static field, which costs more
-    than a segment's call."""
-    key = (name, args[-2].prompts_BxP.shape if name == "insert" else None)
-    if key not in self._executables:
-      executable, seconds = engine.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
-      self._executables[key] = executable
-      self.compile_seconds += seconds
-    return self._executables[key](*args)
+  @property
+  def compile_seconds(self) -> float:
+    return self.engine.compile_seconds
 
   def __iter__(self) -> Iterator[Delta]:
-    decoder = self.decoder
-    begin = time.perf_counter()
-    pending = collections.deque(range(self.slots, len(self.prompt_ids)))
-    slot_prompt: list[int | None] = list(range(self.slots))
-    text = [IncrementalDetokenizer(self.tokenizer) for _ in range(self.slots)]
-    sent = [0] * self.slots  # tokens of the slot's prompt already handed out
-    state = self._call("prefill", engine.start, decoder, self._requests(slot_prompt))
-    segment = jnp.int32(self.segment_rounds)
-    while True:
-      state = self._call("segment", engine.resume, decoder, state, segment, jnp.asarray(bool(pending)))
-      tokens, seq_lens, done, row_stats = jax.device_get((state.tokens_BxT, state.seq_lens_B, state.done_B, (
-          state.stats.row_rounds_B, state.stats.row_drafted_B, state.stats.row_accepted_B)))
-      for b, index in enumerate(slot_prompt):
-        if index is None:
-          continue
-        start = len(self.prompt_ids[index]) + sent[b]
-        new_ids = tokens[b, start:seq_lens[b]].tolist()
-        sent[b] += len(new_ids)
-        delta = text[b].push(new_ids)
-        if not done[b]:
-          if new_ids:
-            yield Delta(index, delta, new_ids)
-          continue
-        yield Delta(index, delta + text[b].flush(), new_ids, finished=True,
-                    stats=RequestStats.of_row(*row_stats, row=b, emitted_tokens=sent[b]))
-        slot_prompt[b] = None
-        if pending:  # the next prompt takes the free slot
-          slot_prompt[b] = pending.popleft()
-          text[b], sent[b] = IncrementalDetokenizer(self.tokenizer), 0
-          state = self._call("insert", engine.insert, decoder, state, self._requests([slot_prompt[b]]),
-                             jnp.int32(b))
-      if all(i is None for i in slot_prompt):
-        break
-    wall = time.perf_counter() - begin - self.compile_seconds
-    spec = decoder.spec if decoder.drafter is not None else None
-    self.stats = Stats.from_device(jax.device_get(state.stats), wall, self.compile_seconds, spec)
+    for i, req in enumerate(self.requests):
+      self.engine.add(req, i)
+    while self.engine.has_work:
+      yield from self.engine.step()
+    self.stats = self.engine.stats

@@ -90,6 +90,9 @@ class CostModel:
       _check(value is None or (_is_int(value) and 1 <= value <= MAX_TREE_NODES),
              f"{name} must be an integer in [1, {MAX_TREE_NODES}], got {value}")
 
+  def as_tuple(self) -> tuple[float, float, float]:
+    return self.cost_ratio, self.verify_cost, self.round_overhead
+
   def for_batch(self, batch: int) -> CostModel:
     """The cost model measured at the largest batch up to `batch`."""
     return next((c for b, c in reversed(self.batches) if b <= batch), self)
@@ -109,13 +112,19 @@ class CostModel:
     return cls(cost_ratio=0.1 if reads_weights else 0.0)
 
 
+COST_FIELDS = ("cost_ratio", "verify_cost", "round_overhead")
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
   """Adaptive speculation: each round's K (up to `SpecConfig.draft_len`) or a plain step, chosen inside
   the loop from carried acceptance statistics (see `jspec.adaptive`).
 
   The cost model's fields left None come from the drafter's measured cost model, when its checkpoint has
-  one for this target, else from `CostModel.neutral`.
+  one for this target, else from `CostModel.neutral`. `with_costs` sets them, and `costs_by_rows`: the
+  costs at each number of running rows, since a batched verify costs more target steps than one row's;
+  the policy reads the row of the rows running in each round, so a batch that empties speculates again.
+  `disable_at_rows`: plain steps while at least this many rows run (vLLM's disable-by-batch-size).
   """
   cost_ratio: float | None = None
   verify_cost: float | None = None
@@ -126,8 +135,12 @@ class AdaptiveConfig:
   probe_interval: int = 16  # plain steps between speculative probes during fallback
   window: int = 8  # W: speculative rounds in the rolling acceptance window
   initial_draft_len: int = 4  # K until any row has data
+  costs_by_rows: tuple[tuple[float, float, float], ...] = ()  # (c, v, o) with 1, 2, ... rows running
+  disable_at_rows: int | None = None
 
   def __post_init__(self):
+    _check(self.disable_at_rows is None or (_is_int(self.disable_at_rows) and self.disable_at_rows >= 1),
+           f"disable_at_rows must be an integer >= 1, got {self.disable_at_rows}")
     for name in ("cost_ratio", "verify_cost", "round_overhead"):
       value = getattr(self, name)
       _check(value is None or (_is_real(value) and value >= 0),
@@ -143,11 +156,14 @@ class AdaptiveConfig:
     """The cost model, once every field is set (`with_costs`)."""
     return CostModel(self.cost_ratio, self.verify_cost, self.round_overhead)
 
-  def with_costs(self, measured: CostModel) -> AdaptiveConfig:
-    """This policy with its unset cost fields taken from `measured`."""
-    pick = lambda name: getattr(self, name) if getattr(self, name) is not None else getattr(measured, name)
-    return dataclasses.replace(self, cost_ratio=pick("cost_ratio"), verify_cost=pick("verify_cost"),
-                               round_overhead=pick("round_overhead"))
+  def with_costs(self, measured: CostModel, batch: int = 1) -> AdaptiveConfig:
+    """This policy for up to `batch` rows, its unset cost fields taken from `measured` at each number of
+    rows (`CostModel.for_batch`); the fields themselves hold the costs at `batch` rows."""
+    def costs(rows: int) -> tuple[float, float, float]:
+      at = measured.for_batch(rows)
+      return tuple(getattr(self, n) if getattr(self, n) is not None else getattr(at, n) for n in COST_FIELDS)
+    by_rows = tuple(costs(rows) for rows in range(1, batch + 1))
+    return dataclasses.replace(self, **dict(zip(COST_FIELDS, by_rows[-1])), costs_by_rows=by_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +218,8 @@ class SpecConfig:
   weights imply it. `typical_acceptance` swaps exact rejection sampling for Medusa's typical acceptance,
   which is LOSSY when sampling (greedy output is unchanged). `adaptive` (on by default) chooses K per
   round, up to `draft_len`, or a plain step when acceptance is low; None: every round drafts `draft_len`.
-  Batches of `disable_at_batch_size` rows or more decode plainly (vLLM's rule). `trace_rounds` records the
+  Rounds with `disable_at_batch_size` rows or more running decode plainly (vLLM's rule; without adaptive
+  K, a batch of that many rows decodes plainly throughout). `trace_rounds` records the
   first R adaptive decisions in the statistics. `tree` drafts a token tree of depth `draft_len` instead of
   a chain, at that fixed shape: tree rounds are not adaptive.
   """

@@ -33,7 +33,9 @@ class DecodeStats:
   probe_rounds: jax.Array  # adaptive: speculative rounds run during fallback to re-measure
   acceptance: adaptive.Acceptance  # per-row EWMA and window of the per-token acceptance rate
   trace_Rx4: jax.Array  # per round: K, row 0's accepted drafts, its window and EWMA rates
+  verifies: jax.Array  # row-rounds that verified proposals (vLLM's "drafts")
   row_rounds_B: jax.Array  # per row (request): target forwards it took part in
+  row_verifies_B: jax.Array  # per row: rounds that verified its proposals
   row_drafted_B: jax.Array  # per row: proposals it tested
   row_accepted_B: jax.Array  # per row: proposals it accepted
 
@@ -45,7 +47,8 @@ class DecodeStats:
                draft_len_counts_K1=jnp.zeros((draft_len + 1,), jnp.int32), fallback_rounds=z, probe_rounds=z,
                acceptance=adaptive.Acceptance.zeros(batch, window, draft_len),
                trace_Rx4=jnp.full((trace_rounds, 4), jnp.nan, jnp.float32),
-               row_rounds_B=jnp.zeros((batch,), jnp.int32), row_drafted_B=jnp.zeros((batch,), jnp.int32),
+               verifies=z, row_rounds_B=jnp.zeros((batch,), jnp.int32),
+               row_verifies_B=jnp.zeros((batch,), jnp.int32), row_drafted_B=jnp.zeros((batch,), jnp.int32),
                row_accepted_B=jnp.zeros((batch,), jnp.int32))
 
   def count_forward(self, active_B: jax.Array, num_new_B: jax.Array) -> DecodeStats:
@@ -60,6 +63,7 @@ class DecodeStats:
     return self.replace(
         draft_forwards=self.draft_forwards + draft_len, drafted=self.drafted + drafted_B.sum(),
         accepted=self.accepted + accepted_B.sum(), row_drafted_B=self.row_drafted_B + drafted_B,
+        verifies=self.verifies + counted_B.sum(), row_verifies_B=self.row_verifies_B + counted_B,
         row_accepted_B=self.row_accepted_B + accepted_B,
         accepted_at_K=self.accepted_at_K.at[:draft_len].add(accepted_BxK.sum(0)),
         acceptance=self.acceptance.record(counted_B, n_accepted_B, draft_len))
@@ -154,15 +158,19 @@ class RequestStats:
   accepted_tokens: int
   acceptance_rate: float | None  # accepted / drafted
   mean_accepted_length: float | None  # tau: tokens per target forward
+  drafts: int = 0  # rounds that verified its proposals
+  mean_acceptance_length: float | None = None  # vLLM's: 1 + accepted / drafts
 
   @classmethod
-  def of_row(cls, rounds_B: np.ndarray, drafted_B: np.ndarray, accepted_B: np.ndarray, row: int,
-             emitted_tokens: int) -> RequestStats:
+  def of_row(cls, stats: DecodeStats, row: int, emitted_tokens: int) -> RequestStats:
     """Row `row` of `DecodeStats`' per-row counters (fetched to the host)."""
-    rounds, drafted, accepted = int(rounds_B[row]), int(drafted_B[row]), int(accepted_B[row])
+    rounds, drafted, accepted = int(stats.row_rounds_B[row]), int(stats.row_drafted_B[row]), \
+        int(stats.row_accepted_B[row])
+    drafts = int(stats.row_verifies_B[row])
     return cls(emitted_tokens=emitted_tokens, rounds=rounds, drafted_tokens=drafted, accepted_tokens=accepted,
                acceptance_rate=accepted / drafted if drafted else None,
-               mean_accepted_length=emitted_tokens / rounds if rounds else None)
+               mean_accepted_length=emitted_tokens / rounds if rounds else None, drafts=drafts,
+               mean_acceptance_length=1 + accepted / drafts if drafts else None)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

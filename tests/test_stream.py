@@ -59,7 +59,11 @@ def test_the_decoder_is_built_for_the_rows_that_run(pair):
   assert stream.slots == 1 and stream.decoder.drafter is not None
   collect(stream)
   assert stream.stats.drafted_tokens > 0
-  assert jspec.stream(target, PROMPTS[:2], draft=draft, spec=spec, batch_size=8).decoder.drafter is None
+  two = jspec.stream(target, PROMPTS[:2], draft=draft, spec=spec, batch_size=8, max_new_tokens=12,
+                     ignore_eos=True)
+  assert two.slots == 2
+  collect(two)
+  assert two.stats.draft_forwards == 0  # the two rows run together throughout: plain steps
 
 
 EOS_LIKELY = dataclasses.replace(testing.TINY, vocab_size=12, eos_id=3)
