@@ -31,25 +31,26 @@ __version__ = "0.2.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "generate": "jspec.api", "Result": "jspec.api", "stream": "jspec.api", "Stream": "jspec.scheduler",
-    "Delta": "jspec.scheduler", "RequestStats": "jspec.stats",
+    "Delta": "jspec.scheduler", "Engine": "jspec.scheduler", "Request": "jspec.scheduler",
+    "make_engine": "jspec.api", "RequestStats": "jspec.stats",
     "load": "jspec.loading", "save": "jspec.checkpoint",
     "Model": "jspec.model", "Heads": "jspec.drafters", "ModelConfig": "jspec.config",
     "SamplingConfig": "jspec.settings", "SpecConfig": "jspec.settings", "AdaptiveConfig": "jspec.settings",
     "CostModel": "jspec.settings", "TreeConfig": "jspec.settings", "Stats": "jspec.stats",
     "make_mesh": "jspec.sharding",
 }
-__all__ = ["AdaptiveConfig", "CostModel", "Delta", "Heads", "Model", "ModelConfig", "RequestStats", "Result",
-           "SamplingConfig", "SpecConfig", "Stats", "Stream", "TreeConfig", "generate", "load", "make_mesh", "save",
-           "stream"]
+__all__ = ["AdaptiveConfig", "CostModel", "Delta", "Engine", "Heads", "Model", "ModelConfig", "Request",
+           "RequestStats", "Result", "SamplingConfig", "SpecConfig", "Stats", "Stream", "TreeConfig", "generate",
+           "load", "make_engine", "make_mesh", "save", "stream"]
 
 if TYPE_CHECKING:
-  from jspec.api import Result, generate, stream
+  from jspec.api import Result, generate, make_engine, stream
   from jspec.checkpoint import save
   from jspec.config import ModelConfig
   from jspec.drafters import Heads
   from jspec.loading import load
   from jspec.model import Model
-  from jspec.scheduler import Delta, Stream
+  from jspec.scheduler import Delta, Engine, Request, Stream
   from jspec.settings import AdaptiveConfig, CostModel, SamplingConfig, SpecConfig, TreeConfig
   from jspec.sharding import make_mesh
   from jspec.stats import RequestStats, Stats

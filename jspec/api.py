@@ -15,7 +15,7 @@ from jspec.drafters import Heads
 from jspec.model import Model
 from jspec.pairing import make_decoder
 from jspec.request import check_prompts, make_requests, seed_array
-from jspec.scheduler import SEGMENT_ROUNDS, Stream
+from jspec.scheduler import SEGMENT_ROUNDS, Engine, Stream
 from jspec.settings import SamplingConfig, SpecConfig
 from jspec.stats import RequestStats, Stats
 from jspec.tokenizer import detokenize, encode
@@ -137,3 +137,18 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft
   return Stream(decoder, target.tokenizer, prompt_ids, slots=slots, max_new_tokens=max_new_tokens,
                 sampling=sampling, seeds=seed_array(seed, len(prompt_ids)).tolist(), ignore_eos=ignore_eos,
                 segment_rounds=segment_rounds)
+
+
+def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: SpecConfig | None = None,
+                slots: int = 8, max_len: int | None = None, mesh: Mesh | None = None, shard_draft: bool = True,
+                segment_rounds: int = SEGMENT_ROUNDS) -> Engine:
+  """An online `Engine` over `slots` rows of up to `max_len` tokens each (default: the model's context):
+  `add` requests (`jspec.Request`) at any time, from any thread, `abort` them, and `step` it for their
+  text deltas. The models and `spec` are as for `generate`; the adaptive policy reads the costs for the
+  rows running each round, so a full engine decodes plainly and a quiet one speculates."""
+  if not (isinstance(slots, numbers.Integral) and slots >= 1):
+    raise ValueError(f"slots must be an integer >= 1, got {slots}")
+  decoder = make_decoder(target, draft, spec, slots)
+  if mesh is not None:
+    decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
+  return Engine(decoder, target.tokenizer, slots=slots, max_len=max_len, segment_rounds=segment_rounds)

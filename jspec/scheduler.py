@@ -66,12 +66,11 @@ class Delta:
 
 
 class _Text:
-  """A request's text, detokenized incrementally and cut at its first stop string; while the text's end
-  could begin a stop string, that end is held back."""
+  """A request's text, detokenized incrementally and cut at its first stop string; an end of the text
+  that could begin a stop string is held back until the next tokens tell."""
 
   def __init__(self, tokenizer, stops: Sequence[str]):
     self.detokenizer, self.stops = IncrementalDetokenizer(tokenizer), [s for s in stops if s]
-    self.hold = max(map(len, self.stops), default=1) - 1
     self.held = ""
 
   def push(self, ids: list[int], final: bool = False) -> tuple[str, bool]:
@@ -81,7 +80,8 @@ class _Text:
     if cut >= 0:
       self.held = ""
       return text[:cut], True
-    keep = 0 if final else min(self.hold, len(text))
+    keep = 0 if final else max((k for stop in self.stops for k in range(1, min(len(stop), len(text) + 1))
+                                if text.endswith(stop[:k])), default=0)
     self.held = text[len(text) - keep:]
     return text[:len(text) - keep], False
 
