@@ -53,26 +53,12 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
-  spec, adaptive, sampling = SpecConfig(), AdaptiveConfig(), SamplingConfig()
+  sampling = SamplingConfig()
   p = argparse.ArgumentParser(prog="python -m jspec.generate", formatter_class=_Formatter, epilog=EXAMPLES,
                               description="Speculative decoding: a draft proposes, the target verifies, "
                                           "and the output is exactly the target's.")
   p.add_argument("--version", action="version", version=f"jspec {jspec.__version__}")
-
-  g = p.add_argument_group("models")
-  g.add_argument("--target", default=shipped.DEFAULT.name, metavar="DIR",
-                 help="target checkpoint: a jspec or Hugging Face model directory, or the name of a shipped pair "
-                      f"({', '.join(shipped.PAIRS)}; default: {shipped.DEFAULT.name})")
-  g.add_argument("--draft", default=None, metavar="DIR",
-                 help="draft model or Medusa/EAGLE heads directory (default: the shipped weights of --drafter "
-                      "when the target is a shipped one)")
-  g.add_argument("--drafter", choices=DRAFTERS, default=None,
-                 help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, or n-gram lookup in the "
-                      f"context (default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")
-  g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
-  g.add_argument("--dtype", choices=DTYPES, default=None,
-                 help="parameters and activations (default: float32 on the CPU, bfloat16 on accelerators)")
-
+  add_model_args(p)
   g = p.add_argument_group("prompts and output")
   g.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeat for a batch")
   g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line (write a newline inside a prompt as \\n), "
@@ -103,6 +89,31 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--top-p", type=float, default=sampling.top_p, metavar="P", help="1 = off")
   g.add_argument("--seed", type=int, default=0, metavar="S", help="row b samples with seed + b")
 
+  add_speculation_args(p)
+  add_runtime_args(p)
+  return p
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+  """The flags that choose the target and the drafter (shared with `python -m jspec.serve`)."""
+  g = p.add_argument_group("models")
+  g.add_argument("--target", default=shipped.DEFAULT.name, metavar="DIR",
+                 help="target checkpoint: a jspec or Hugging Face model directory, or the name of a shipped pair "
+                      f"({', '.join(shipped.PAIRS)}; default: {shipped.DEFAULT.name})")
+  g.add_argument("--draft", default=None, metavar="DIR",
+                 help="draft model or Medusa/EAGLE heads directory (default: the shipped weights of --drafter "
+                      "when the target is a shipped one)")
+  g.add_argument("--drafter", choices=DRAFTERS, default=None,
+                 help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, or n-gram lookup in the "
+                      f"context (default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")
+  g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+  g.add_argument("--dtype", choices=DTYPES, default=None,
+                 help="parameters and activations (default: float32 on the CPU, bfloat16 on accelerators)")
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+  """Speculation, adaptive K and draft trees (shared with `python -m jspec.serve`)."""
+  spec, adaptive = SpecConfig(), AdaptiveConfig()
   g = p.add_argument_group("speculation")
   g.add_argument("--draft-len", type=int, default=spec.draft_len, metavar="K",
                  help=f"tokens drafted per round, K (at most {MAX_DRAFT_LEN}); the largest K when adaptive")
@@ -112,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
                  help="LOSSY: Medusa's typical acceptance instead of exact rejection sampling; output no longer "
                       "follows the target's distribution exactly when sampling (greedy output is unchanged)")
   g.add_argument("--disable-at-batch-size", type=int, default=None, metavar="B",
-                 help="decode plainly when the batch has at least this many prompts")
+                 help="decode plainly while at least this many rows run (without adaptive K: when the batch "
+                      "has that many)")
 
   g = p.add_argument_group("adaptive speculation")
   g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -150,6 +162,9 @@ def parser() -> argparse.ArgumentParser:
                  help="medusa: the static tree as a JSON list of paths of ranks, as Medusa's tree_choices "
                       "(default: the --tree-nodes paths likeliest to be accepted)")
 
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+  """Compilation and distribution (shared with `python -m jspec.serve`)."""
   g = p.add_argument_group("compilation")
   g.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR",
                  help="keep compiled programs here, so later runs load them instead of compiling "
@@ -164,7 +179,6 @@ def parser() -> argparse.ArgumentParser:
                  help="multi-process: the address of process 0 (jax.distributed)")
   g.add_argument("--num-processes", type=int, default=None, metavar="N", help="multi-process: how many")
   g.add_argument("--process-id", type=int, default=None, metavar="I", help="multi-process: this one's index")
-  return p
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -245,6 +259,17 @@ def load_draft(args: argparse.Namespace, mesh) -> tuple:
   return jspec.load(pair.drafts[drafter], dtype=args.dtype, mesh=draft_mesh), drafter
 
 
+def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model, dict]:
+  """The target, and the model keywords of `jspec.generate` (draft, spec, mesh, shard_draft) the flags
+  ask for; `spec` is `speculation(args)`."""
+  mesh = jspec.make_mesh(args.mesh) if args.mesh else None
+  log.info("loading the target %s", args.target)
+  target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, mesh=mesh)
+  draft, drafter = load_draft(args, mesh)
+  spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
+  return target, dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft)
+
+
 def output_entry(index: int, prompt: str, text: str, token_ids: list[int], stats) -> dict:
   return {"index": index, "prompt": prompt, "text": text, "token_ids": token_ids, "stats": stats.to_dict()}
 
@@ -270,12 +295,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
   if args.baseline and (args.output or args.stream or len(prompts) > args.batch_size):
     raise ValueError("--baseline times one batch: give at most --batch-size prompts, and no --output or --stream")
   output = outputs.JsonlOutput(args.output, prompts) if args.output else None
-  mesh = jspec.make_mesh(args.mesh) if args.mesh else None
-  log.info("loading the target %s", args.target)
-  target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, mesh=mesh)
-  draft, drafter = load_draft(args, mesh)
-  spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
-  models = dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft)
+  target, models = load_models(args, spec)
   streaming = args.stream if args.stream is not None else sys.stdout.isatty() and not (args.json or args.output)
   if output is None and not streaming and len(prompts) <= args.batch_size:
     return run_batch(args, target, models, prompts, sampling), False

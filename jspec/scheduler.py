@@ -171,6 +171,27 @@ class Engine:
   def has_work(self) -> bool:
     return bool(self._waiting or self._aborted) or self.num_running > 0
 
+  @property
+  def running_B(self) -> np.ndarray:
+    """Which slots hold a request."""
+    return np.asarray([r is not None for r in self._running])
+
+  @property
+  def device_stats(self):
+    """The loop's statistics (`jspec.stats.DecodeStats`, on the host) after the last segment, or None."""
+    return self._device_stats
+
+  def warm_up(self, prompt_lens: Sequence[int] | None = None) -> None:
+    """Compiles (or loads) the programs requests run, so that none waits on a compile: one short request
+    per prompt length (default: one per prompt bucket, each its own insert program), run to the end."""
+    if prompt_lens is None:
+      longest = request.prompt_bucket(self.max_len - 1)
+      prompt_lens = sorted({min(request.prompt_bucket(n), self.max_len - 1) for n in range(1, longest + 1)})
+    for n in prompt_lens:
+      self.add(Request([0] * n, 1, ignore_eos=True))
+      while self.has_work:
+        self.step()
+
   # --- deltas out (one thread) ---
 
   def step(self) -> list[Delta]:

@@ -99,9 +99,13 @@ class ChatTemplate:
   def render(self, prompt: str) -> str:
     """`prompt` as a single user turn, with the generation prompt after it (what transformers'
     `apply_chat_template(..., add_generation_prompt=True)` renders)."""
+    return self.render_messages([{"role": "user", "content": prompt}])
+
+  def render_messages(self, messages: list[dict[str, str]]) -> str:
+    """A conversation (`{"role", "content"}` dicts), with the generation prompt after it."""
     try:
-      return _compiled(self.template).render(
-          messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **dict(self.special_tokens))
+      return _compiled(self.template).render(messages=messages, add_generation_prompt=True,
+                                             **dict(self.special_tokens))
     except (jinja2.TemplateError, ValueError, TypeError) as e:
       raise ValueError(f"the chat template failed to render: {' '.join(str(e).split())[:200]}") from None
 

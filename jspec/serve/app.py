@@ -1,0 +1,181 @@
+"""The HTTP side: FastAPI routes in OpenAI's shapes over an `EngineLoop`.
+
+Every error a request can cause is a 4xx with an OpenAI error body; a client that disconnects (mid-stream
+or while waiting for a whole response) aborts its requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from jspec.model import Model
+from jspec.scheduler import Request
+from jspec.serve import protocol
+from jspec.serve.loop import EngineLoop
+from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jspec.tokenizer import encode
+
+DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when not given (OpenAI's default)
+DISCONNECT_POLL = 0.5  # seconds between checks that a client waiting for a whole response is still there
+SHUTDOWN_SECONDS = 5.0
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+  first = error.errors()[0]
+  if first.get("type") == "json_invalid":
+    return f"malformed JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+  where = [str(p) for p in first.get("loc", ()) if p != "body"]
+  param = ".".join(where) or None
+  return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
+  engine = loop.engine
+
+  @contextlib.asynccontextmanager
+  async def lifespan(_: FastAPI):
+    loop.start()
+    yield
+    loop.shutdown(SHUTDOWN_SECONDS)
+
+  app = FastAPI(title="jspec", lifespan=lifespan)
+  created = int(time.time())
+
+  @app.exception_handler(APIError)
+  async def api_error(_, e: APIError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+  @app.exception_handler(RequestValidationError)
+  async def invalid(_, e: RequestValidationError):
+    message, param = _validation_message(e)
+    return await api_error(None, APIError(400, message, param))
+
+  @app.exception_handler(HTTPException)
+  async def http_error(_, e: HTTPException):
+    return await api_error(None, APIError(e.status_code, str(e.detail)))
+
+  @app.exception_handler(Exception)
+  async def server_error(_, e: Exception):
+    return await api_error(None, APIError(500, f"internal error: {type(e).__name__}"))
+
+  @app.get("/health")
+  async def health() -> Response:
+    if loop.error is not None:
+      return JSONResponse(APIError(503, loop.error).body(), status_code=503)
+    return Response(status_code=200)
+
+  @app.get("/v1/models")
+  async def models() -> dict:
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "jspec", "max_model_len": engine.max_len}]}
+
+  @app.get("/metrics")
+  async def metrics() -> Response:
+    return Response(generate_latest(loop.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+  def check_model(name: str) -> None:
+    if name != model_name:
+      raise APIError(404, f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
+
+  def engine_request(body, prompt_ids: list[int], max_tokens: int, seed: int) -> Request:
+    try:
+      return Request(prompt_ids, max_tokens, body.sampling(), seed, body.stops, body.stop_token_ids or (),
+                     body.ignore_eos, body.speculate)
+    except ValueError as e:
+      raise APIError(400, str(e)) from None
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, http: HTTPRequest):
+    check_model(body.model)
+    seed = body.seed_value()
+    requests = []
+    for i, prompt in enumerate(body.prompts):
+      ids = encode(target.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+      requests.append(engine_request(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, (seed + i) % 2 ** 32))
+    return await respond(body, requests, protocol.Response(False, model_name), http)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+    check_model(body.model)
+    if target.chat_template is None:
+      raise APIError(400, f"the model `{model_name}` has no chat template; use /v1/completions")
+    try:
+      ids = encode(target.tokenizer, target.chat_template.render_messages([m.as_dict() for m in body.messages]))
+    except ValueError as e:
+      raise APIError(400, str(e), "messages") from None
+    room = engine.max_len - len(ids)
+    if room < 1:
+      raise APIError(400, f"the conversation has {len(ids)} tokens; the model's context is {engine.max_len} "
+                          "tokens", "messages")
+    request = engine_request(body, ids, body.token_limit or room, body.seed_value())
+    return await respond(body, [request], protocol.Response(True, model_name), http)
+
+  async def respond(body, requests: list[Request], response: protocol.Response, http: HTTPRequest):
+    try:
+      ids, queue = loop.submit(requests)
+    except ValueError as e:
+      raise APIError(400, str(e)) from None
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    if body.stream:
+      return StreamingResponse(stream(ids, queue, response, prompt_tokens, body.include_usage),
+                               media_type="text/event-stream")
+    return await whole(ids, queue, response, prompt_tokens, http)
+
+  async def whole(ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int, http: HTTPRequest):
+    texts, reasons, stats, tokens = [""] * len(ids), [None] * len(ids), [None] * len(ids), [0] * len(ids)
+    left = len(ids)
+    try:
+      while left:
+        try:
+          index, delta = await asyncio.wait_for(queue.get(), DISCONNECT_POLL)
+        except TimeoutError:
+          if await http.is_disconnected():
+            return Response(status_code=499)
+          continue
+        if isinstance(delta, APIError):
+          raise delta
+        texts[index] += delta.text
+        tokens[index] += len(delta.token_ids)
+        if delta.finished:
+          reasons[index], stats[index], left = delta.finish_reason, delta.stats, left - 1
+    finally:
+      if left:
+        loop.abort(ids)
+    return response.body(texts, reasons, prompt_tokens, sum(tokens), [s for s in stats if s is not None])
+
+  async def stream(ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int,
+                   include_usage: bool) -> AsyncIterator[str]:
+    event = lambda obj: f"data: {json.dumps(obj)}\n\n"
+    left, tokens, stats = len(ids), 0, []
+    try:
+      if response.chat:
+        yield event(response.chunk(0, first=True))
+      while left:
+        index, delta = await queue.get()
+        if isinstance(delta, APIError):
+          yield event(delta.body())
+          return
+        tokens += len(delta.token_ids)
+        if delta.text or delta.finished:
+          yield event(response.chunk(index, delta))
+        if delta.finished:
+          left -= 1
+          stats += [delta.stats] if delta.stats is not None else []
+      if include_usage:
+        yield event(response.usage_chunk(prompt_tokens, tokens, stats))
+      yield "data: [DONE]\n\n"
+    finally:  # also when the client left: the response task is cancelled at its await
+      if left:
+        loop.abort(ids)
+
+  return app

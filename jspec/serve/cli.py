@@ -1,0 +1,97 @@
+"""`python -m jspec.serve`: load the models, compile, then serve HTTP until SIGTERM or Ctrl-C.
+
+The model, speculation, compilation and mesh flags are `python -m jspec.generate`'s. User errors (bad
+flags, models that do not load or pair): one line on stderr, exit 2. Parsing imports no JAX.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import jspec
+from jspec import cli
+from jspec.scheduler import SEGMENT_ROUNDS
+
+EXAMPLES = """examples:
+  python -m jspec.serve
+  python -m jspec.serve --target HF_DIR --draft HF_DRAFT_DIR --batch-size 16 --max-model-len 4096
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "code", "prompt": "def parse_args(", "max_tokens": 64, "temperature": 0}'
+"""
+log = logging.getLogger("jspec")
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jspec.serve", formatter_class=cli._Formatter, epilog=EXAMPLES,
+                              description="An OpenAI-compatible server that decodes speculatively when it "
+                                          "pays and plainly under load.")
+  p.add_argument("--version", action="version", version=f"jspec {jspec.__version__}")
+  cli.add_model_args(p)
+  g = p.add_argument_group("server")
+  g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+  g.add_argument("--port", type=int, default=8000)
+  g.add_argument("--served-model-name", metavar="NAME", default=None,
+                 help="the model name requests give (default: --target as given)")
+  g.add_argument("--batch-size", type=int, default=8, metavar="B", help="requests decoded together (slots)")
+  g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                 help="tokens (prompt and output) a request may hold (default: the model's context)")
+  g.add_argument("--max-queue", type=int, default=256, metavar="N",
+                 help="requests that may wait for a slot; past it, requests get 503 and Retry-After")
+  g.add_argument("--segment-rounds", type=int, default=SEGMENT_ROUNDS, metavar="R",
+                 help="rounds per engine step: new requests, aborts and streamed text between steps")
+  cli.add_speculation_args(p)
+  cli.add_runtime_args(p)
+  return p
+
+
+def check(args: argparse.Namespace) -> None:
+  if not 0 <= args.port < 65536:
+    raise ValueError(f"--port must be in [0, 65536), got {args.port}")
+  for name in ("batch_size", "max_queue", "segment_rounds"):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.num_processes is not None and args.num_processes > 1:
+    raise ValueError("multi-process serving is not supported; serve from one process (its mesh may span its "
+                     "devices)")
+
+
+def build(args: argparse.Namespace):
+  """The engine loop, the app and the model name, compiled and ready to serve."""
+  from jspec import engine as programs
+  from jspec.serve.app import create_app
+  from jspec.serve.loop import EngineLoop
+  from jspec.serve.metrics import Metrics
+
+  if not args.no_compile_cache:
+    programs.use_compile_cache(args.compile_cache)
+  spec = cli.speculation(args)
+  target, models = cli.load_models(args, spec)
+  engine = jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
+                             segment_rounds=args.segment_rounds, **models)
+  log.info("compiling the serving programs (%d slots of %d tokens)", engine.slots, engine.max_len)
+  engine.warm_up()
+  name = args.served_model_name or args.target
+  loop = EngineLoop(engine, Metrics(name), args.max_queue)
+  return loop, create_app(loop, target, name), name
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+  cli.show_status(True)
+  try:
+    check(args)
+    import uvicorn  # here: --help answers without the server's imports
+    loop, app, name = build(args)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  log.info("serving %s at http://%s:%d/v1", name, args.host, args.port)
+  # uvicorn shuts down gracefully on SIGTERM and Ctrl-C, then raises the signal again for the handler it
+  # found: these, so that a requested stop exits 0.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: None)
+  uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+  log.info("stopped")
+  return 0

@@ -1,0 +1,208 @@
+"""The OpenAI request and response shapes the server speaks, as the official `openai` client sends and
+reads them, with vLLM's extra fields (`top_k`, `ignore_eos`, `seed`, `stop_token_ids`) and jspec's
+`speculate` (False: decode this request plainly).
+
+Requests are validated strictly: wrong types, out-of-range values and fields the endpoint does not take
+are errors (HTTP 400 with an OpenAI error body), never silently ignored. Fields the engine cannot honour
+(`n` > 1, log probabilities, penalties) are accepted only at their neutral values.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jspec.scheduler import Delta
+from jspec.settings import SamplingConfig
+from jspec.stats import RequestStats
+
+MAX_SEED = 2 ** 63
+
+
+class APIError(Exception):
+  """An error the client caused (4xx) or the server cannot take now (503), as an OpenAI error body."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.headers = status, message, param, headers
+
+  def body(self) -> dict:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
+            503: "ServiceUnavailableError"}.get(self.status, "InvalidRequestError" if self.status < 500 else
+                                                 "InternalServerError")
+    return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+
+
+def _unsupported(**asked: bool) -> None:
+  """Refuses the features asked for that the server does not have."""
+  names = [name for name, on in asked.items() if on]
+  if names:
+    raise ValueError(f"not supported: {', '.join(names)}")
+
+
+class _Strict(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+  include_usage: bool = False
+
+
+class _Sampling(_Strict):
+  """What both endpoints take."""
+  model: str
+  max_tokens: int | None = Field(None, ge=1)
+  temperature: float = Field(1.0, ge=0.0, le=100.0)
+  top_p: float = Field(1.0, gt=0.0, le=1.0)
+  top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's "off"): every token
+  seed: int | None = Field(None, ge=-MAX_SEED, lt=MAX_SEED)
+  stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = None
+  ignore_eos: bool = False
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  n: int = Field(1, ge=1, le=1)
+  presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+  frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+  user: str | None = None
+  speculate: bool = True
+
+  @model_validator(mode="after")
+  def _stream_options_need_stream(self):
+    if self.stream_options is not None and not self.stream:
+      raise ValueError("stream_options is only allowed with stream: true")
+    return self
+
+  def sampling(self) -> SamplingConfig:
+    return SamplingConfig(self.temperature, max(self.top_k, 0), self.top_p)
+
+  def seed_value(self) -> int:
+    """The engine's 32-bit seed: the request's, else a fresh random one (as OpenAI does without one)."""
+    return secrets.randbits(32) if self.seed is None else self.seed % 2 ** 32
+
+  @property
+  def stops(self) -> list[str]:
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+  @property
+  def include_usage(self) -> bool:
+    return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  echo: bool = False
+  logprobs: int | None = None
+  suffix: str | None = None
+  best_of: int | None = None
+
+  @model_validator(mode="after")
+  def _supported(self):
+    if isinstance(self.prompt, list) and not self.prompt:
+      raise ValueError("prompt must not be an empty list")
+    _unsupported(echo=self.echo, logprobs=self.logprobs is not None, suffix=self.suffix is not None,
+                 best_of=self.best_of not in (None, 1))
+    return self
+
+  @property
+  def prompts(self) -> list[str | list[int]]:
+    """One entry per choice: a text or token ids."""
+    p = self.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+      return [p]
+    return list(p)
+
+
+class TextPart(_Strict):
+  type: Literal["text"]
+  text: str
+
+
+class ChatMessage(_Strict):
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[TextPart] | None = None
+  name: str | None = None
+
+  def as_dict(self) -> dict[str, str]:
+    content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+    return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_Sampling):
+  messages: list[ChatMessage] = Field(min_length=1)
+  max_completion_tokens: int | None = Field(None, ge=1)
+  logprobs: bool = False
+  top_logprobs: int | None = None
+
+  @model_validator(mode="after")
+  def _supported(self):
+    _unsupported(logprobs=self.logprobs, top_logprobs=self.top_logprobs is not None)
+    return self
+
+  @property
+  def token_limit(self) -> int | None:
+    return self.max_completion_tokens or self.max_tokens
+
+
+def speculation_figures(stats: list[RequestStats]) -> dict[str, Any]:
+  """Per-request speculation figures (vLLM's names), summed over a response's choices."""
+  drafts = sum(s.drafts for s in stats)
+  drafted = sum(s.drafted_tokens for s in stats)
+  accepted = sum(s.accepted_tokens for s in stats)
+  return {"num_spec_steps": drafts, "num_draft_tokens": drafted, "num_accepted_draft_tokens": accepted,
+          "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+          "draft_acceptance_rate": accepted / drafted if drafted else None}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Response:
+  """Builds one response's bodies and stream chunks, for either endpoint."""
+
+  def __init__(self, chat: bool, model: str):
+    self.chat, self.model = chat, model
+    self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    self.created = int(time.time())
+    self.object = "chat.completion" if chat else "text_completion"
+
+  def _envelope(self, obj: str, choices: list[dict]) -> dict:
+    return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+  def body(self, texts: list[str], reasons: list[str], prompt_tokens: int, completion_tokens: int,
+           stats: list[RequestStats]) -> dict:
+    """A whole (non-streamed) response."""
+    if self.chat:
+      choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+                 for i, (t, r) in enumerate(zip(texts, reasons))]
+    else:
+      choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                 for i, (t, r) in enumerate(zip(texts, reasons))]
+    return {**self._envelope(self.object, choices), "usage": usage(prompt_tokens, completion_tokens),
+            "speculative_decoding": speculation_figures(stats)}
+
+  def chunk(self, index: int, delta: Delta | None = None, first: bool = False) -> dict:
+    """A stream chunk: choice `index`'s new text (and its finish reason and speculation figures when the
+    delta is its last), or a chat stream's opening chunk (`first`: the assistant's role)."""
+    obj = "chat.completion.chunk" if self.chat else "text_completion"
+    text = "" if delta is None else delta.text
+    reason = delta.finish_reason if delta is not None and delta.finished else None
+    if self.chat:
+      content = {"role": "assistant", "content": ""} if first else {"content": text} if text or not reason else {}
+      choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
+    else:
+      choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    out = self._envelope(obj, [choice])
+    if reason is not None and delta.stats is not None:
+      out["speculative_decoding"] = speculation_figures([delta.stats])
+    return out
+
+  def usage_chunk(self, prompt_tokens: int, completion_tokens: int, stats: list[RequestStats]) -> dict:
+    """`stream_options.include_usage`'s last chunk: no choices, the usage."""
+    obj = "chat.completion.chunk" if self.chat else "text_completion"
+    return {**self._envelope(obj, []), "usage": usage(prompt_tokens, completion_tokens),
+            "speculative_decoding": speculation_figures(stats)}

@@ -1,0 +1,306 @@
+"""The OpenAI-compatible server, for real: `python -m jspec.serve` on a free port of 127.0.0.1 with the small
+shipped pair, driven by the official `openai` client and by raw HTTP. One server for the module; the last
+test stops it with SIGTERM."""
+import asyncio
+import dataclasses
+import json
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+import jspec
+from jspec import shipped, testing, tokenizer
+
+MODEL = "code-small"
+MAX_MODEL_LEN = 256
+MAX_QUEUE = 40
+PROMPTS = ["def parse_args(", "import os\n", "class Config:\n    def __init__(self", "for i in range(",
+           "# Read a file\nwith open(", "x = [", "def main():\n    ", "return "]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+  """A server process and its base URL, once /health answers 200."""
+  port = free_port()
+  proc = subprocess.Popen([sys.executable, "-m", "jspec.serve", "--port", str(port), *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"the server exited {proc.returncode}:\n{proc.stdout.read()}")
+    try:
+      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+        return proc, url
+    except httpx.TransportError:
+      pass
+    time.sleep(0.5)
+  proc.kill()
+  raise RuntimeError("the server did not start in 300 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+  proc, url = start_server("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
+                           "--segment-rounds", "4")
+  yield proc, url
+  stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def target():
+  return jspec.load(shipped.SMALL.target)
+
+
+def greedy(target, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+  """The target's own greedy text (plain decoding: speculation must not change it)."""
+  ids = jspec.generate(target, [prompt], max_new_tokens=max_tokens).token_ids[0]
+  return tokenizer.detokenize(target.tokenizer, ids), ids
+
+
+def metric(url: str, name: str) -> float:
+  text = httpx.get(f"{url}/metrics").text
+  return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def wait_idle(url: str, seconds: float = 10) -> None:
+  deadline = time.monotonic() + seconds
+  while metric(url, "jspec:num_requests_running") or metric(url, "jspec:num_requests_waiting"):
+    assert time.monotonic() < deadline, "requests still running"
+    time.sleep(0.1)
+
+
+def test_completions_equal_the_targets_greedy_text(server, client, target):
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  for prompt in PROMPTS[:3]:
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    text, ids = greedy(target, prompt, 24)
+    assert out.choices[0].text == text
+    assert out.choices[0].finish_reason == ("stop" if len(ids) < 24 else "length")
+    prompt_tokens = len(tokenizer.encode(target.tokenizer, prompt))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, len(ids))
+    assert out.usage.total_tokens == prompt_tokens + len(ids)
+    spec = out.model_extra["speculative_decoding"]
+    assert spec["num_spec_steps"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_draft_tokens"]
+  # Several prompts in one request: one choice each, in order.
+  out = client.completions.create(model=MODEL, prompt=PROMPTS[3:5], max_tokens=10, temperature=0)
+  assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [greedy(target, p, 10)[0]
+                                                                           for p in PROMPTS[3:5]]
+
+
+def test_streamed_pieces_join_to_the_same_text_with_usage_last(server, client, target):
+  text, ids = greedy(target, PROMPTS[0], 40)
+  chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                          stream=True, stream_options={"include_usage": True}))
+  pieces = [c.choices[0].text for c in chunks if c.choices]
+  assert "".join(pieces) == text and len(pieces) > 1 and "\ufffd" not in "".join(pieces)
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+  assert "speculative_decoding" in chunks[-2].model_extra  # the finishing chunk
+
+
+def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(server, client, target):
+  kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0.8, top_p=0.9)
+  a = client.completions.create(seed=7, extra_body={"top_k": 20}, **kw).choices[0].text
+  b = client.completions.create(seed=7, extra_body={"top_k": 20}, **kw).choices[0].text
+  assert a == b
+  text, _ = greedy(target, PROMPTS[2], 30)
+  stop = text[10:13]
+  out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop])
+  assert out.choices[0].text == text[:text.index(stop)] and out.choices[0].finish_reason == "stop"
+  plain = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0,
+                                    extra_body={"speculate": False, "ignore_eos": True})
+  assert plain.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
+  assert plain.usage.completion_tokens == 30
+
+
+def test_chat_needs_a_template(server, client):
+  with pytest.raises(openai.BadRequestError, match="no chat template"):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+BAD = [
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, None),
+    ({"model": MODEL, "prompt": "x", "seed": 2 ** 70}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+    ({"model": MODEL, "prompt": "x", "messages": []}, 400, "messages"),
+    ({"model": MODEL, "prompt": [70000]}, 400, None),
+    ({"model": MODEL, "prompt": []}, 400, None),
+    ({"model": MODEL, "prompt": ""}, 400, None),
+    ({"model": MODEL, "prompt": list(range(1, 300))}, 400, None),
+    ({"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, None),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(9))}, 400, None),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x"}, 400, "model"),
+    ("{not json", 400, None),
+    ([1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_requests_get_4xx_with_an_error_body(server, target, body, status, param):
+  url = server[1]
+  content = body if isinstance(body, str) else json.dumps(body)
+  r = httpx.post(f"{url}/v1/completions", content=content, headers={"Content-Type": "application/json"})
+  assert r.status_code == status, r.text
+  error = r.json()["error"]
+  assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["code"] == status
+  if param is not None:
+    assert error["param"] == param
+  # The server keeps serving, and serves right.
+  good = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 4,
+                                                    "temperature": 0}, timeout=60)
+  assert good.status_code == 200 and good.json()["choices"][0]["text"] == greedy(target, "x = ", 4)[0]
+
+
+def test_chat_fields_on_the_completions_route_and_unknown_routes(server):
+  url = server[1]
+  r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "prompt": "x"})
+  assert r.status_code == 400 and r.json()["error"]["param"] in ("messages", "prompt")
+  r = httpx.get(f"{url}/v1/nothing")
+  assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
+  url = server[1]
+  body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
+  with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    assert r.status_code == 200
+    next(r.iter_lines())
+  wait_idle(url)
+  before = metric(url, "jspec:generation_tokens_total")
+  time.sleep(0.5)
+  assert metric(url, "jspec:generation_tokens_total") == before  # nothing decodes for it any more
+  assert metric(url, 'jspec:request_success_total{finished_reason="abort",model_name="code-small"}') >= 1
+
+
+def test_a_full_queue_answers_503_at_once(server):
+  url = server[1]
+
+  async def flood():
+    async with httpx.AsyncClient(timeout=60) as http:
+      body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
+      async def one():
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+          return r.status_code, dict(r.headers), (await r.aread()) if r.status_code != 200 else b""
+      tasks = [asyncio.create_task(one()) for _ in range(MAX_QUEUE + 20)]
+      done = []
+      for t in asyncio.as_completed(tasks):
+        status, headers, content = await t
+        done.append(status)
+        if status == 503:
+          assert headers["retry-after"] == "1" and json.loads(content)["error"]["code"] == 503
+          break
+      for t in tasks:
+        t.cancel()
+      await asyncio.gather(*tasks, return_exceptions=True)
+      return done
+
+  assert 503 in asyncio.run(flood())
+  wait_idle(url, 30)
+
+
+def test_load_100_requests_32_at_a_time_with_some_closed_mid_stream(server, target):
+  """Every request that stays gets its single-run greedy text; the ones closed mid-stream free their
+  slots; nothing is left running, and no thread is left behind."""
+  url = server[1]
+  proc = server[0]
+  threads = lambda: int(re.search(r"Threads:\s+(\d+)", open(f"/proc/{proc.pid}/status").read()).group(1))
+  rng = random.Random(0)
+  jobs = [(rng.choice(PROMPTS), rng.choice([4, 12, 24, 40]), i % 10 == 3) for i in range(104)]
+  expected = {}
+  for prompt, n, _ in jobs:
+    if (prompt, n) not in expected:
+      expected[prompt, n] = greedy(target, prompt, n)[0]
+  before = threads()
+
+  async def run():
+    sem = asyncio.Semaphore(32)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+      async def one(prompt, n, leave):
+        async with sem:
+          body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+          text = ""
+          async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+              if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+              text += json.loads(line[6:])["choices"][0]["text"]
+              if leave:
+                return None
+          return text
+      return await asyncio.gather(*(one(*job) for job in jobs))
+
+  texts = asyncio.run(run())
+  for (prompt, n, leave), text in zip(jobs, texts):
+    if not leave:
+      assert text == expected[prompt, n], (prompt, n)
+  wait_idle(url)
+  assert threads() <= before
+  assert metric(url, "jspec:spec_decode_num_drafts_total") > 0
+
+
+def test_sigterm_exits_0_within_the_timeout(server):
+  proc, url = server
+  body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 200, "ignore_eos": True, "stream": True}
+  with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    next(r.iter_lines())
+    proc.send_signal(signal.SIGTERM)
+    begin = time.monotonic()
+    assert proc.wait(timeout=15) == 0
+  assert time.monotonic() - begin < 10
+
+
+def test_chat_completions_through_a_model_with_a_template(tmp_path):
+  model = testing.random_model(testing.TINY)
+  template = tokenizer.ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                                    "{% if add_generation_prompt %}<assistant>{% endif %}")
+  model = dataclasses.replace(model, chat_template=template)
+  jspec.save(model, tmp_path / "chat")
+  proc, url = start_server("--target", str(tmp_path / "chat"), "--drafter", "ngram", "--no-adaptive",
+                           "--max-model-len", "128", "--served-model-name", "tiny")
+  try:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    prompt = template.render_messages(messages)
+    ids = jspec.generate(model, [prompt], max_new_tokens=12).token_ids[0]
+    assert out.choices[0].message.content == tokenizer.detokenize(model.tokenizer, ids)
+    assert out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+  finally:
+    stop(proc)
