@@ -119,6 +119,8 @@ class Engine:
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
     self.compile_seconds = 0.0  # compiling (or loading) programs
     self.decode_seconds = 0.0  # running them
+    self.last_prefill_seconds: list[float] = []  # the last step's prefills (one per request started)
+    self.last_segment_seconds: float | None = None  # the last step's segment, with reading its tokens
     self._executables: dict = {}
     self._lock = threading.Lock()
     self._waiting: collections.deque[tuple[Hashable, Request]] = collections.deque()
@@ -205,6 +207,7 @@ class Engine:
     for b, run in enumerate(self._running):
       if run is not None and run.id in aborted:
         deltas.append(self._finish(b, "", [], "abort"))
+    self.last_prefill_seconds, self.last_segment_seconds = [], None
     self._admit()
     if self.num_running == 0:
       return deltas
@@ -215,7 +218,8 @@ class Engine:
     self._retire_B[:] = False
     tokens, seq_lens, done, stats = jax.device_get((state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats))
     self._state, self._device_stats = state, stats
-    self.decode_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
+    self.last_segment_seconds = time.perf_counter() - begin - (self.compile_seconds - compiled)
+    self.decode_seconds += self.last_segment_seconds
     for b, run in enumerate(self._running):
       if run is None:
         continue
@@ -277,6 +281,8 @@ class Engine:
     if name != "segment":
       jax.block_until_ready(out)
       self.decode_seconds += time.perf_counter() - begin
+      if name == "insert":
+        self.last_prefill_seconds.append(time.perf_counter() - begin)
     return out
 
   @property

@@ -7,9 +7,6 @@ import json
 import random
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,6 +15,7 @@ import pytest
 
 import jspec
 from jspec import shipped, testing, tokenizer
+from jspec.serve.launch import start, stop
 
 MODEL = "code-small"
 MAX_MODEL_LEN = 256
@@ -26,41 +24,9 @@ PROMPTS = ["def parse_args(", "import os\n", "class Config:\n    def __init__(se
            "# Read a file\nwith open(", "x = [", "def main():\n    ", "return "]
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
-  """A server process and its base URL, once /health answers 200."""
-  port = free_port()
-  proc = subprocess.Popen([sys.executable, "-m", "jspec.serve", "--port", str(port), *flags],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  url = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + 300
-  while time.monotonic() < deadline:
-    if proc.poll() is not None:
-      raise RuntimeError(f"the server exited {proc.returncode}:\n{proc.stdout.read()}")
-    try:
-      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-        return proc, url
-    except httpx.TransportError:
-      pass
-    time.sleep(0.5)
-  proc.kill()
-  raise RuntimeError("the server did not start in 300 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-  if proc.poll() is None:
-    proc.kill()
-    proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server():
-  proc, url = start_server("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
+  proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
                            "--segment-rounds", "4")
   yield proc, url
   stop(proc)
@@ -288,7 +254,7 @@ def test_chat_completions_through_a_model_with_a_template(tmp_path):
                                     "{% if add_generation_prompt %}<assistant>{% endif %}")
   model = dataclasses.replace(model, chat_template=template)
   jspec.save(model, tmp_path / "chat")
-  proc, url = start_server("--target", str(tmp_path / "chat"), "--drafter", "ngram", "--no-adaptive",
+  proc, url = start("--target", str(tmp_path / "chat"), "--drafter", "ngram", "--no-adaptive",
                            "--max-model-len", "128", "--served-model-name", "tiny")
   try:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

@@ -5,6 +5,7 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
   python -m jspec.bench --suite defaults --max-new-tokens 128 --also-drafters model   # what a user gets
   python -m jspec.bench --suite cost --write         # c, v, o at batch 1, 4, 8, stored in the checkpoints
   python -m jspec.bench --target DIR --draft eagle=DIR --suite defaults   # your own pair
+  python -m jspec.bench --suite serving --drafters eagle   # the server: speculative against plain, over HTTP
   python -m jspec.bench --suite gpu                  # the prepared check on one NVIDIA GPU (--smoke: anywhere)
   python -m jspec.bench --quick                      # a smoke run of the sweep on tiny random models (CI)
 """
@@ -20,7 +21,7 @@ import jax
 
 import jspec
 from jspec import shipped, testing
-from jspec.bench import end_to_end, gpu, parts, sweep
+from jspec.bench import end_to_end, gpu, parts, serving, sweep
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.bench.timing import machine
 
@@ -93,6 +94,9 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
     "step": ("decode-step costs on a random model", lambda a, m, o: parts.suite_step(a.repeats)),
     "loop": ("loop overhead and the verify cost curve on a random ~31M model",
              lambda a, m, o: parts.suite_loop(a.repeats)),
+    "serving": ("the OpenAI server under Poisson arrivals over HTTP, speculative against --no-draft",
+                lambda a, m, o: serving.suite_serving(m, _kinds(a)[0], [float(r) for r in a.rates.split(",")],
+                                                      a.requests, a.repeats, a.batch_size, out_dir=o)),
     "gpu": ("the prepared accelerator check: losslessness on the device, an 8B-shaped target against its "
             "weight-streaming bound, verify and round costs", _gpu),
 }
@@ -126,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
                   help="comma-separated: code (held-out completions), edit (context editing), prose (English)")
   ap.add_argument("--with-hf", action="store_true",
                   help="the sweep: also Hugging Face transformers' assisted generation (needs [interop])")
+  ap.add_argument("--rates", default="1,2,4", help="--suite serving: Poisson arrival rates, requests/s")
+  ap.add_argument("--requests", type=int, default=24, help="--suite serving: requests per load")
+  ap.add_argument("--batch-size", type=int, default=8, help="--suite serving: the servers' slots")
   ap.add_argument("--smoke", action="store_true", help="--suite gpu: tiny shapes, on any backend")
   ap.add_argument("--budget", type=float, default=420.0, help="--suite gpu: seconds; later sections are skipped")
   ap.add_argument("--out", default="bench-out", help="directory for bench.json (and the sweep's bench.md, plots)")

@@ -104,6 +104,10 @@ class EngineLoop:
         return
       for delta in deltas:
         self._deliver(delta)
+      for seconds in engine.last_prefill_seconds:
+        self.metrics.prefill.observe(seconds)
+      if engine.last_segment_seconds is not None:
+        self.metrics.segment.observe(engine.last_segment_seconds)
       self.metrics.running.set(engine.num_running)
       self.metrics.waiting.set(engine.num_waiting)
       if engine.device_stats is not None:

@@ -42,6 +42,10 @@ class Metrics:
                           buckets=TPOT_BUCKETS, **label).labels(model_name)
     self.e2e = Histogram("jspec:e2e_request_latency_seconds", "Time from arrival to the last token.",
                          buckets=E2E_BUCKETS, **label).labels(model_name)
+    self.prefill = Histogram("jspec:request_prefill_time_seconds", "Prefilling a request into its slot.",
+                             buckets=TTFT_BUCKETS, **label).labels(model_name)
+    self.segment = Histogram("jspec:segment_time_seconds", "One engine step's segment of decode rounds.",
+                             buckets=TTFT_BUCKETS, **label).labels(model_name)
     self.acceptance = gauge("spec_decode_acceptance_ewma",
                             "Mean over running requests of the acceptance rate's EWMA (the adaptive policy's).")
     self.draft_len = gauge("spec_decode_draft_len", "Mean tokens drafted per round in the last segment (0: plain).")

@@ -1,0 +1,166 @@
+"""The serving benchmark, in the manner of vLLM's `benchmark_serving`: requests with Poisson arrivals (and one
+at a time, and all at once), mixed prompt and output lengths, streamed over HTTP from `python -m
+jspec.serve`; time to first token, time per output token, end-to-end latency (p50, p99) and output tokens/s.
+The speculative server and the same server with `--no-draft` run side by side, loaded in turn."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import httpx
+import numpy as np
+
+from jspec.bench.parts import Models
+from jspec.bench.prompts import varied_heldout_prompts
+from jspec.serve.launch import start, stop
+
+MODEL = "bench"
+
+
+def _jobs(count: int, seed: int, output_lens: tuple[int, int]) -> list[tuple[str, int]]:
+  """Prompts of mixed lengths (held-out code) and output lengths drawn uniformly in `output_lens`."""
+  rng = np.random.default_rng(seed)
+  return [(p, int(rng.integers(output_lens[0], output_lens[1] + 1))) for p in varied_heldout_prompts(count, seed)]
+
+
+async def _one(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+  body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+          "stream": True, "stream_options": {"include_usage": True}}
+  begin = time.perf_counter()
+  first, tokens = None, 0
+  async with http.stream("POST", "/v1/completions", json=body) as r:
+    r.raise_for_status()
+    async for line in r.aiter_lines():
+      if not line.startswith("data: ") or line == "data: [DONE]":
+        continue
+      chunk = json.loads(line[6:])
+      if chunk["choices"] and chunk["choices"][0]["text"] and first is None:
+        first = time.perf_counter() - begin
+      if chunk.get("usage"):
+        tokens = chunk["usage"]["completion_tokens"]
+  e2e = time.perf_counter() - begin
+  return {"ttft": first, "e2e": e2e, "tokens": tokens, "tpot": (e2e - first) / (tokens - 1) if tokens > 1 else None}
+
+
+async def _load(url: str, jobs: list[tuple[str, int]], rate: float | None, seed: int) -> dict:
+  """Sends `jobs`: one at a time (`rate` None), at Poisson arrivals of `rate` per second, or all at once
+  (`rate` inf). Returns the latencies' p50 and p99 and the output tokens per second over the run."""
+  rng = np.random.default_rng(seed)
+  async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+    begin = time.perf_counter()
+    if rate is None:
+      results = [await _one(http, p, n) for p, n in jobs]
+    else:
+      async def arrive(delay, job):
+        await asyncio.sleep(delay)
+        return await _one(http, *job)
+      gaps = np.zeros(len(jobs)) if math.isinf(rate) else rng.exponential(1 / rate, len(jobs))
+      results = await asyncio.gather(*(arrive(t, job) for t, job in zip(np.cumsum(gaps), jobs)))
+    wall = time.perf_counter() - begin
+  pct = lambda key, q: float(np.percentile([r[key] for r in results if r[key] is not None], q))
+  out = {f"{key}_{name}": pct(key, q) for key in ("ttft", "tpot", "e2e") for name, q in (("p50", 50), ("p99", 99))}
+  return {**out, "output_tokens_per_second": sum(r["tokens"] for r in results) / wall, "wall_seconds": wall}
+
+
+def _metric(url: str, name: str) -> float:
+  text = httpx.get(f"{url}/metrics").text
+  line = next(x for x in text.splitlines() if x.startswith(name))
+  return float(line.rsplit(" ", 1)[1])
+
+
+def _server_flags(models: Models, drafter: str | None) -> list[str]:
+  flags = ["--target", str(models.target), "--served-model-name", MODEL]
+  if drafter is None:
+    return flags + ["--no-draft"]
+  if drafter in models.drafts:
+    flags += ["--draft", str(models.drafts[drafter])]
+  return flags + ["--drafter", drafter]
+
+
+def suite_serving(models: Models, drafter: str, rates: list[float], requests: int, repeats: int,
+                  batch_size: int, output_lens: tuple[int, int] = (32, 128), out_dir: pathlib.Path | None = None,
+                  segment_rounds: int | None = None) -> dict:
+  """Both servers under each load, in turn (the order alternating), `repeats` times; medians."""
+  extra = ["--batch-size", str(batch_size)] + (["--segment-rounds", str(segment_rounds)] if segment_rounds else [])
+  servers = {}
+  try:
+    for name, kind in (("speculative", drafter), ("plain", None)):
+      print(f"starting the {name} server", file=sys.stderr)
+      servers[name] = start(*_server_flags(models, kind), *extra)
+    loads = [("one at a time", None)] + [(f"{r:g} req/s", r) for r in rates] + [("all at once", math.inf)]
+    rows = []
+    for label, rate in loads:
+      count = max(requests // 3, 4) if rate is None else requests
+      jobs = _jobs(count, seed=len(rows), output_lens=output_lens)
+      runs = {name: [] for name in servers}
+      for r in range(repeats):
+        for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+          runs[name].append(asyncio.run(_load(servers[name][1], jobs, rate, seed=r)))
+      row = {"load": label, "rate": None if rate is None else rate, "requests": count}
+      for name, results in runs.items():
+        row[name] = {k: statistics.median(x[k] for x in results) for k in results[0]}
+      row["throughput_ratio"] = row["speculative"]["output_tokens_per_second"] / \
+          row["plain"]["output_tokens_per_second"]
+      rows.append(row)
+      print(f"{label}: {row['throughput_ratio']:.2f}x plain output tokens/s", file=sys.stderr)
+    url = servers["speculative"][1]
+    prefill = _metric(url, "jspec:request_prefill_time_seconds_sum") / \
+        _metric(url, "jspec:request_prefill_time_seconds_count")
+    segment = _metric(url, "jspec:segment_time_seconds_sum") / _metric(url, "jspec:segment_time_seconds_count")
+  finally:
+    for proc, _ in servers.values():
+      stop(proc)
+  one = rows[0]["speculative"]
+  result = {"drafter": drafter, "batch_size": batch_size, "output_lens": list(output_lens), "rows": rows,
+            "mean_prefill_seconds": prefill, "mean_segment_seconds": segment,
+            "goals": {"one_at_a_time_ratio": rows[0]["throughput_ratio"], "one_at_a_time_goal": 1.5,
+                      "saturation_ratio": rows[-1]["throughput_ratio"], "saturation_goal": 0.95,
+                      "ttft_p50_one_at_a_time": one["ttft_p50"], "ttft_bound": prefill + segment}}
+  if out_dir is not None:
+    (out_dir / "serving.md").write_text(markdown(result))
+    plot(result, out_dir / "serving.png")
+  return result
+
+
+def markdown(result: dict) -> str:
+  lines = ["| load | requests | output tok/s spec | plain | ratio | TTFT p50 / p99 spec (s) | plain | "
+           "TPOT p50 spec (ms) | plain | E2E p50 / p99 spec (s) | plain |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in result["rows"]:
+    s, p = r["speculative"], r["plain"]
+    lines.append(f"| {r['load']} | {r['requests']} | {s['output_tokens_per_second']:.0f} | "
+                 f"{p['output_tokens_per_second']:.0f} | {r['throughput_ratio']:.2f}x | "
+                 f"{s['ttft_p50']:.3f} / {s['ttft_p99']:.3f} | {p['ttft_p50']:.3f} / {p['ttft_p99']:.3f} | "
+                 f"{1e3 * s['tpot_p50']:.1f} | {1e3 * p['tpot_p50']:.1f} | {s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | "
+                 f"{p['e2e_p50']:.2f} / {p['e2e_p99']:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = result["rows"]
+  labels = [r["load"] for r in rows]
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+  for name in ("speculative", "plain"):
+    a.plot(labels, [r[name]["output_tokens_per_second"] for r in rows], marker="o", label=name)
+    b.plot(labels, [r[name]["ttft_p50"] for r in rows], marker="o", label=f"{name} TTFT p50")
+    b.plot(labels, [r[name]["e2e_p50"] for r in rows], marker="s", linestyle="--", label=f"{name} E2E p50")
+  a.set_ylabel("output tokens/s")
+  b.set_ylabel("seconds")
+  b.set_yscale("log")
+  for ax in (a, b):
+    ax.set_xlabel("load")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend()
+  fig.suptitle(f"jspec.serve, {result['drafter']} drafter against --no-draft, {result['batch_size']} slots")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
