@@ -22,9 +22,9 @@ The batch shares one target forward, so the policy is per batch:
   ignoring them picks drafts of the wrong length. `initial_draft_len` until any row has data.
 - Stepping aside: a plain step whatever the acceptance when no running row speculates (a request may turn
   speculation off), or when `disable_at_rows` rows or more run. The fallback below also takes plain steps
-  when no K would beat a plain step even at full acceptance, at the costs for the rows running (a loaded
-  batch). A server thus decodes plainly under load and speculates when quiet, round by round, in one
-  program.
+  when no K would beat a plain step even at full acceptance, at the costs for the batch's width (a
+  loaded batch). The serving engine runs each segment at the narrowest width that holds its busy rows
+  (`jspec.decode.run_rows`), so a server decodes plainly under load and speculates when quiet.
 - Fallback: when the mean windowed rate of the active rows whose window is full (W speculative rounds) is
   below `fallback_threshold`, or no K is expected to beat a plain step (a large batch, whose verify costs
   more), the round is a plain target step (branch 0); a rate from fewer rounds is too noisy to stop on
@@ -119,12 +119,11 @@ def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
 def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig, max_draft_len: int,
            speculating_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Returns (draft_len, probe): draft_len 0 means a plain target step. `policy` has its cost model set
-  (`AdaptiveConfig.with_costs`); its costs are those at the number of `active_B` rows (every active row
-  rides in the verify); acceptance is read from the active rows that speculate (`speculating_B`, default
-  all)."""
+  (`AdaptiveConfig.with_costs`); its costs are those at the batch's width (every row, done or not, rides
+  in the verify); acceptance is read from the active rows that speculate (`speculating_B`, default all)."""
   rows = active_B.sum()
-  costs_Rx3 = jnp.asarray(policy.costs_by_rows or (policy.cost.as_tuple(),), jnp.float32)
-  c, v, o = costs_Rx3[jnp.clip(rows, 1, costs_Rx3.shape[0]) - 1]
+  costs = policy.costs_by_rows or (policy.cost.as_tuple(),)
+  c, v, o = costs[min(active_B.shape[0], len(costs)) - 1]
   active_B = active_B if speculating_B is None else active_B & speculating_B
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)

@@ -382,6 +382,29 @@ def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None
   return lax.while_loop(more, lambda c: (step(decoder, c[0]), c[1] + 1), (state, jnp.int32(0)))[0]
 
 
+def run_rows(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
+             stop_at_finish: jax.Array | bool = False, retire_B: jax.Array | None = None, *,
+             width: int) -> DecodeState:
+  """`run` over the first `width` rows only (static: one program per width); the other rows must be done
+  (idle slots). Done rows still cost their share of every batched forward, so a running batch whose busy
+  rows fit a narrower width decodes faster in it. `retire_B` applies to every row."""
+  if retire_B is not None:
+    state = state.replace(done_B=state.done_B | retire_B)
+  blocks = _state_row_blocks(decoder, state)
+  leaves, treedef = jax.tree.flatten(state)
+  narrow = [x if b is None else lax.slice_in_dim(x, 0, width * b[1], axis=b[0]) for x, b in zip(leaves, blocks)]
+  narrow = jax.tree.leaves(run(decoder, jax.tree.unflatten(treedef, narrow), max_rounds, stop_at_finish))
+  return jax.tree.unflatten(treedef, [y if b is None else lax.dynamic_update_slice_in_dim(x, y, 0, b[0])
+                                      for x, y, b in zip(leaves, narrow, blocks)])
+
+
+def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, int] | None]:
+  """`_row_blocks` for a running state: requests of its shapes."""
+  capacity, stop_width = state.tokens_BxT.shape[1], state.stop_BxE.shape[1]
+  requests = request.make_requests(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width)
+  return _row_blocks(decoder, requests, capacity)
+
+
 def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.Array) -> DecodeState:
   """Starts `requests` (R rows) in rows `[slot, slot + R)` of a running state, as `start` would have in a
   state of their own: their tokens, caches, drafter state, sampling values, keys and per-row statistics

@@ -54,6 +54,7 @@ def lower(decoder: Decoder, requests: Requests) -> Any:
 # place on accelerators, and the caller holds only what each call returns.
 start = jax.jit(decode.start, static_argnames="capacity")
 resume = jax.jit(decode.run, donate_argnames="state")
+resume_rows = jax.jit(decode.run_rows, static_argnames="width", donate_argnames="state")
 insert = jax.jit(decode.insert, donate_argnames="state")
 
 # Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.

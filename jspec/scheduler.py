@@ -1,16 +1,18 @@
-"""The online engine: requests arrive at any time, decode in a running batch of slots, hand out their text
-as rounds are accepted, and can be aborted. `jspec.stream`, the CLI's continuous batching and the server
+"""The online engine: requests arrive at any time, decode in a running batch of slots, hand out their text as
+rounds are accepted, and can be aborted. `jspec.stream`, the CLI's continuous batching and the server
 (`jspec.serve`) all run on it.
 
 The batch has a fixed number of rows (slots) and a fixed capacity (tokens a row may hold), set when the
-engine starts, so nothing compiles per request. The decode loop runs in segments (`jspec.decode.run` with
-`max_rounds`), each one executable call that keeps the whole loop on the device; between segments the host
-(`Engine.step`) ends aborted rows, prefills waiting requests into free slots (`jspec.decode.insert`: their
-cache rows, drafter state, sampling values, stop tokens and seed), runs the next segment, and reads the new
-tokens of every row as text deltas. First come, first served. A segment ends early when a row finishes
-while requests wait, so a free slot does not idle. A request's tokens depend only on its own row, so they
-are those it would get decoded alone (with a fixed K; adaptive K is chosen for the whole batch, which
-changes which tokens a sampled row draws, never their distribution).
+engine starts, so nothing compiles per request. A segment runs over the first 1, 2, 4, ... rows that hold
+every busy one (`jspec.decode.run_rows`): an idle row would still cost its share of every forward. The
+decode loop runs in segments (`jspec.decode.run` with `max_rounds`), each one executable call that keeps
+the whole loop on the device; between segments the host (`Engine.step`) ends aborted rows, prefills
+waiting requests into free slots (`jspec.decode.insert`: their cache rows, drafter state, sampling values,
+stop tokens and seed), runs the next segment, and reads the new tokens of every row as text deltas. First
+come, first served. A segment ends early when a row finishes while requests wait, so a free slot does not
+idle. A request's tokens depend only on its own row, so they are those it would get decoded alone (with a
+fixed K; adaptive K is chosen for the whole batch, which changes which tokens a sampled row draws, never
+their distribution).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from collections.abc import Hashable, Iterator, Sequence
 import jax
 import numpy as np
 
+from jspec import cache as kvcache
 from jspec import engine, request, sharding
 from jspec.decode import Decoder
 from jspec.request import GREEDY
@@ -113,8 +116,14 @@ class Engine:
       raise ValueError(f"max_len must be an integer in [2, {context}] (the model's context), got {max_len}")
     self.decoder, self.tokenizer, self.slots, self.max_len = decoder, tokenizer, slots, max_len
     self.segment_rounds = segment_rounds
-    self.capacity = max(request.capacity(0, max_len, decoder.headroom),
-                        request.capacity(request.prompt_bucket(max_len), 0, 0))
+    # A segment runs over the narrowest of these widths that holds every busy row (requests take the
+    # lowest free slot, so the busy rows stay low); a mesh splits rows, so it runs every row.
+    self.widths = (slots,) if decoder.layout is not None else \
+        tuple(sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)}))
+    # One capacity for the engine's life: blocks enough for max_len tokens, a round's headroom, and the
+    # widest padded prompt, not rounded up to a power of two as one-off batches are.
+    needed = max(max_len + decoder.headroom + 1, request.prompt_bucket(max_len))
+    self.capacity = -(-needed // kvcache.BLOCK_SIZE) * kvcache.BLOCK_SIZE
     eos = tuple(decoder.target_config.stop_ids)
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
     self.compile_seconds = 0.0  # compiling (or loading) programs
@@ -193,6 +202,8 @@ class Engine:
       self.add(Request([0] * n, 1, ignore_eos=True))
       while self.has_work:
         self.step()
+    for width in self.widths:
+      self._executable("segment", engine.resume_rows, self._segment_args(), width=width)
 
   # --- deltas out (one thread) ---
 
@@ -213,8 +224,9 @@ class Engine:
       return deltas
     begin = time.perf_counter()
     compiled = self.compile_seconds
-    state = self._call("segment", engine.resume, self.decoder, self._state, np.int32(self.segment_rounds),
-                       np.asarray(bool(self._waiting)), self._retire_B.copy())
+    busy = max(b for b, r in enumerate(self._running) if r is not None)
+    state = self._call("segment", engine.resume_rows, *self._segment_args(),
+                       width=next(w for w in self.widths if w > busy))
     self._retire_B[:] = False
     tokens, seq_lens, done, stats = jax.device_get((state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats))
     self._state, self._device_stats = state, stats
@@ -233,6 +245,10 @@ class Engine:
       elif new_ids:
         deltas.append(Delta(run.id, text, new_ids))
     return deltas
+
+  def _segment_args(self) -> tuple:
+    return (self.decoder, self._state, np.int32(self.segment_rounds), np.asarray(bool(self._waiting)),
+            self._retire_B.copy())
 
   def _finish(self, b: int, text: str, new_ids: list[int], reason: str) -> Delta:
     run = self._running[b]
@@ -267,17 +283,22 @@ class Engine:
     layout = self.decoder.layout
     return requests if layout is None else sharding.place(requests, layout.mesh)
 
-  def _call(self, name: str, jitted, *args):
-    """Runs `jitted` through its executable for these shapes. The engine keeps the executables it used:
-    finding one in the engine's cache hashes every argument's shape and static field, which costs more
-    than a segment's call."""
-    key = (name, args[2].prompts_BxP.shape if name == "insert" else None)
+  def _executable(self, name: str, jitted, args: tuple, **static):
+    """`jitted`'s executable for these shapes. The engine keeps the executables it used: finding one in
+    the engine's cache hashes every argument's shape and static field, which costs more than a segment's
+    call."""
+    key = (name, args[2].prompts_BxP.shape if name == "insert" else None, tuple(static.items()))
     if key not in self._executables:
-      executable, seconds = engine.compiled(name, lambda: jitted.lower(*args), args)
+      executable, seconds = engine.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
       self._executables[key] = executable
       self.compile_seconds += seconds
+    return self._executables[key]
+
+  def _call(self, name: str, jitted, *args, **static):
+    """Runs `jitted` (through `_executable`)."""
+    executable = self._executable(name, jitted, args, **static)
     begin = time.perf_counter()
-    out = self._executables[key](*args)
+    out = executable(*args)
     if name != "segment":
       jax.block_until_ready(out)
       self.decode_seconds += time.perf_counter() - begin

@@ -122,8 +122,8 @@ class AdaptiveConfig:
 
   The cost model's fields left None come from the drafter's measured cost model, when its checkpoint has
   one for this target, else from `CostModel.neutral`. `with_costs` sets them, and `costs_by_rows`: the
-  costs at each number of running rows, since a batched verify costs more target steps than one row's;
-  the policy reads the row of the rows running in each round, so a batch that empties speculates again.
+  costs at each batch width, since a batched verify costs more target steps than one row's; a program
+  reads those of its own width (the serving engine runs narrower programs when fewer rows are busy).
   `disable_at_rows`: plain steps while at least this many rows run (vLLM's disable-by-batch-size).
   """
   cost_ratio: float | None = None
@@ -135,7 +135,7 @@ class AdaptiveConfig:
   probe_interval: int = 16  # plain steps between speculative probes during fallback
   window: int = 8  # W: speculative rounds in the rolling acceptance window
   initial_draft_len: int = 4  # K until any row has data
-  costs_by_rows: tuple[tuple[float, float, float], ...] = ()  # (c, v, o) with 1, 2, ... rows running
+  costs_by_rows: tuple[tuple[float, float, float], ...] = ()  # (c, v, o) for batches of 1, 2, ... rows
   disable_at_rows: int | None = None
 
   def __post_init__(self):

@@ -159,30 +159,34 @@ def test_no_retrace_as_k_changes_at_run_time(pair):
 
 def test_disable_at_batch_size_decodes_plainly_while_that_many_rows_run(pair):
   target, draft = pair
-  spec = SpecConfig(disable_at_batch_size=4)
-  r = jspec.generate(target, [[1]] * 4, draft=draft, max_new_tokens=8, spec=spec)
+  spec = SpecConfig(draft_len=2, disable_at_batch_size=3)
+  r = jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, spec=spec)
   assert r.stats.draft_forwards == 0 and r.stats.draft_len_counts == {0: 8}
-  assert jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, spec=spec).stats.drafted_tokens > 0
   # Rows that finish make room: the last prompt, alone in its slot, speculates.
-  stream = jspec.stream(target, [[1], [2], [3]], draft=draft, max_new_tokens=8, batch_size=2,
-                        spec=SpecConfig(disable_at_batch_size=2))
+  stream = jspec.stream(target, [[1], [2], [3], [4]], draft=draft, max_new_tokens=8, batch_size=3, spec=spec)
   drafted = [d.stats.drafted_tokens for d in stream if d.finished]
-  assert drafted[:2] == [0, 0] and drafted[2] > 0
+  assert drafted[:3] == [0, 0, 0] and drafted[3] > 0
   # Without adaptive K the rule is per batch.
-  fixed = SpecConfig(disable_at_batch_size=4, adaptive=None)
-  assert jspec.generate(target, [[1]] * 4, draft=draft, max_new_tokens=8, spec=fixed).stats.drafter is None
+  fixed = SpecConfig(disable_at_batch_size=3, adaptive=None)
+  assert jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, spec=fixed).stats.drafter is None
 
 
 def test_a_loaded_batch_steps_aside_when_its_verify_cannot_pay(pair):
-  """Costs measured at 4 rows that no K can beat: 4 running rows decode plainly, 1 row speculates."""
+  """Costs measured at 4 rows that no K can beat: a batch of 4 decodes plainly, one of 2 speculates."""
   target, draft = pair
   measured = CostModel(0.1, 0.05, 0.2, batches={4: CostModel(0.5, 0.6, 1.0)})
   draft = dataclasses.replace(draft, cost_models={"model": measured})
-  policy = pairing.make_decoder(target, draft, SpecConfig(), 4).spec.adaptive
+  spec = SpecConfig(draft_len=2)
+  policy = pairing.make_decoder(target, draft, spec, 4).spec.adaptive
   assert policy.costs_by_rows == ((0.1, 0.05, 0.2),) * 3 + ((0.5, 0.6, 1.0),)
-  r = jspec.generate(target, [[1]] * 4, draft=draft, max_new_tokens=8)
-  assert r.stats.draft_forwards == 0 and r.stats.fallback_rounds == 8
-  assert jspec.generate(target, [[1]], draft=draft, max_new_tokens=8).stats.drafted_tokens > 0
+  # Four rows decode plainly; once the last two have ended, the first two run at width 2, and speculate.
+  engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=64)
+  for i, n in enumerate([24, 24, 4, 4]):
+    engine.add(jspec.Request([1 + i], n), i)
+  drafted = {}
+  while engine.has_work:
+    drafted.update({d.index: d.stats.drafted_tokens for d in engine.step() if d.finished})
+  assert drafted[2] == drafted[3] == 0 and drafted[0] > 0 and drafted[1] > 0
 
 
 def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
