@@ -144,8 +144,9 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
                 segment_rounds: int = SEGMENT_ROUNDS) -> Engine:
   """An online `Engine` over `slots` rows of up to `max_len` tokens each (default: the model's context):
   `add` requests (`jspec.Request`) at any time, from any thread, `abort` them, and `step` it for their
-  text deltas. The models and `spec` are as for `generate`; the adaptive policy reads the costs for the
-  rows running each round, so a full engine decodes plainly and a quiet one speculates."""
+  text deltas. The models and `spec` are as for `generate`. Segments run at the narrowest batch width
+  that holds the busy rows, and the adaptive policy reads the costs of that width, so a full engine
+  decodes plainly and a quiet one speculates."""
   if not (isinstance(slots, numbers.Integral) and slots >= 1):
     raise ValueError(f"slots must be an integer >= 1, got {slots}")
   decoder = make_decoder(target, draft, spec, slots)

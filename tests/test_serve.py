@@ -27,7 +27,7 @@ PROMPTS = ["def parse_args(", "import os\n", "class Config:\n    def __init__(se
 @pytest.fixture(scope="module")
 def server():
   proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
-                           "--segment-rounds", "4")
+                    "--segment-rounds", "4", "--batch-size", "4")
   yield proc, url
   stop(proc)
 
@@ -197,6 +197,7 @@ def test_a_full_queue_answers_503_at_once(server):
 
 
 def test_load_100_requests_32_at_a_time_with_some_closed_mid_stream(server, target):
+  # 32 at a time on 4 slots: most wait in the queue, and the widths 1, 2 and 4 all run.
   """Every request that stays gets its single-run greedy text; the ones closed mid-stream free their
   slots; nothing is left running, and no thread is left behind."""
   url = server[1]
