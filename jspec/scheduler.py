@@ -35,7 +35,7 @@ from jspec.stats import RequestStats, Stats
 from jspec.tokenizer import IncrementalDetokenizer
 
 # Rounds per segment (one host visit): few enough host visits that they cost little throughput
-# (docs/streaming.md), often enough that text appears every few tens of milliseconds.
+# (BENCHMARKS.md, "Streaming"), often enough that text appears every few tens of milliseconds.
 SEGMENT_ROUNDS = 16
 MAX_STOP_IDS = 8  # stop token ids a request may add to the target's EOS tokens (a compiled width)
 

@@ -170,6 +170,17 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
   assert metric(url, 'jspec:request_success_total{finished_reason="abort",model_name="code-small"}') >= 1
 
 
+def test_a_client_that_leaves_before_a_whole_response_frees_its_slot(server):
+  url = server[1]
+  aborted = lambda: metric(url, 'jspec:request_success_total{finished_reason="abort",model_name="code-small"}')
+  before = aborted()
+  body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 240, "ignore_eos": True}
+  with pytest.raises(httpx.TimeoutException):
+    httpx.post(f"{url}/v1/completions", json=body, timeout=0.2)
+  wait_idle(url)
+  assert aborted() == before + 1
+
+
 def test_a_full_queue_answers_503_at_once(server):
   url = server[1]
 

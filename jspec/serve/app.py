@@ -26,7 +26,7 @@ from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequ
 from jspec.tokenizer import encode
 
 DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when not given (OpenAI's default)
-DISCONNECT_POLL = 0.5  # seconds between checks that a client waiting for a whole response is still there
+DISCONNECT_POLL = 0.1  # seconds between checks that a client waiting for a whole response is still there
 SHUTDOWN_SECONDS = 5.0
 
 
@@ -133,14 +133,16 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
 
   async def whole(ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int, http: HTTPRequest):
     texts, reasons, stats, tokens = [""] * len(ids), [None] * len(ids), [None] * len(ids), [0] * len(ids)
-    left = len(ids)
+    left, checked = len(ids), time.monotonic()
     try:
       while left:
+        if time.monotonic() - checked >= DISCONNECT_POLL:
+          if await http.is_disconnected():
+            return Response(status_code=499)
+          checked = time.monotonic()
         try:
           index, delta = await asyncio.wait_for(queue.get(), DISCONNECT_POLL)
         except TimeoutError:
-          if await http.is_disconnected():
-            return Response(status_code=499)
           continue
         if isinstance(delta, APIError):
           raise delta
