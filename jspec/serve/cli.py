@@ -18,7 +18,7 @@ EXAMPLES = """examples:
   python -m jspec.serve
   python -m jspec.serve --target HF_DIR --draft HF_DRAFT_DIR --batch-size 16 --max-model-len 4096
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-      -d '{"model": "code", "prompt": "def parse_args(", "max_tokens": 64, "temperature": 0}'
+      -d '{"model": "code", "prompt": "import os\\n\\n\\ndef read_lines(path):\\n", "max_tokens": 64}'
 """
 log = logging.getLogger("jspec")
 
