@@ -3,8 +3,9 @@ rounds are accepted, and can be aborted. `jspec.stream`, the CLI's continuous ba
 (`jspec.serve`) all run on it.
 
 The batch has a fixed number of rows (slots) and a fixed capacity (tokens a row may hold), set when the
-engine starts, so nothing compiles per request. A segment runs over the first 1, 2, 4, ... rows that hold
-every busy one (`jspec.decode.run_rows`): an idle row would still cost its share of every forward. The
+engine starts, so nothing compiles per request. An online engine runs each segment over the first 1, 2, 4,
+... rows that hold every busy one (`jspec.decode.run_rows`): an idle row would still cost its share of
+every forward. The
 decode loop runs in segments (`jspec.decode.run` with `max_rounds`), each one executable call that keeps
 the whole loop on the device; between segments the host (`Engine.step`) ends aborted rows, prefills
 waiting requests into free slots (`jspec.decode.insert`: their cache rows, drafter state, sampling values,
@@ -104,10 +105,12 @@ class Engine:
 
   `slots` rows decode together; each holds up to `max_len` tokens (prompt and output; default the
   decoder's context). A request that cannot fit is refused by `add` with a ValueError, before it waits.
+  `narrow` runs segments at narrower widths when few rows are busy (one program per width); False keeps
+  one width, for batch jobs, whose narrow stretch is only their tail.
   """
 
   def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
-               segment_rounds: int = SEGMENT_ROUNDS):
+               segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True):
     if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
       raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
     context = decoder.context_len
@@ -117,8 +120,9 @@ class Engine:
     self.decoder, self.tokenizer, self.slots, self.max_len = decoder, tokenizer, slots, max_len
     self.segment_rounds = segment_rounds
     # A segment runs over the narrowest of these widths that holds every busy row (requests take the
-    # lowest free slot, so the busy rows stay low); a mesh splits rows, so it runs every row.
-    self.widths = (slots,) if decoder.layout is not None else \
+    # lowest free slot, so the busy rows stay low); each is a program to compile. A mesh splits rows, so
+    # it runs every row.
+    self.widths = (slots,) if decoder.layout is not None or not narrow else \
         tuple(sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)}))
     # One capacity for the engine's life: blocks enough for max_len tokens, a round's headroom, and the
     # widest padded prompt, not rounded up to a power of two as one-off batches are.
@@ -328,7 +332,7 @@ class Stream:
     self.decoder, self.slots = decoder, slots  # rows of the batch (the decoder was made for this many)
     widest = max(len(p) for p in prompt_ids)
     self.engine = Engine(decoder, tokenizer, slots=slots, max_len=min(widest + max_new_tokens, decoder.context_len),
-                         segment_rounds=segment_rounds)
+                         segment_rounds=segment_rounds, narrow=False)
     for req in self.requests:
       self.engine.check(req)
     self.stats: Stats | None = None
