@@ -359,19 +359,16 @@ def step(decoder: Decoder, state: DecodeState) -> DecodeState:
 
 
 def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
-        stop_at_finish: jax.Array | bool = False, retire_B: jax.Array | None = None) -> DecodeState:
+        stop_at_finish: jax.Array | bool = False) -> DecodeState:
   """Decodes until every row is done, in one `lax.while_loop`. Pure: jit it yourself or use
   `jspec.engine`.
 
   A segment: with `max_rounds` it also stops after that many rounds, and with `stop_at_finish` as soon as
   a row that was running finishes; both are runtime values, so one executable serves every segment, and
   the host continues the returned state (streaming, refilling finished rows with `insert`). The segments of
-  a request decode exactly what one call would: nothing but the state carries over between rounds.
-  `retire_B` marks rows to end before the first round (aborted requests, idle slots)."""
+  a request decode exactly what one call would: nothing but the state carries over between rounds."""
   trace_counts["speculative" if decoder.drafter is not None else "autoregressive"] += 1
   max_rounds = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
-  if retire_B is not None:
-    state = state.replace(done_B=state.done_B | retire_B)
   running_B = ~state.done_B
 
   def more(carry):
@@ -387,7 +384,8 @@ def run_rows(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int |
              width: int) -> DecodeState:
   """`run` over the first `width` rows only (static: one program per width); the other rows must be done
   (idle slots). Done rows still cost their share of every batched forward, so a running batch whose busy
-  rows fit a narrower width decodes faster in it. `retire_B` applies to every row."""
+  rows fit a narrower width decodes faster in it. `retire_B` marks rows of any width to end first (aborted
+  requests, idle slots)."""
   if retire_B is not None:
     state = state.replace(done_B=state.done_B | retire_B)
   blocks = _state_row_blocks(decoder, state)

@@ -53,7 +53,6 @@ def lower(decoder: Decoder, requests: Requests) -> Any:
 # of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
 # place on accelerators, and the caller holds only what each call returns.
 start = jax.jit(decode.start, static_argnames="capacity")
-resume = jax.jit(decode.run, donate_argnames="state")
 resume_rows = jax.jit(decode.run_rows, static_argnames="width", donate_argnames="state")
 insert = jax.jit(decode.insert, donate_argnames="state")
 

@@ -63,9 +63,11 @@ def test_segments_update_the_donated_state_in_place():
   capacity, batch = 512, 4
   decoder, requests = _decoder_and_requests(batch, "model", capacity)
   state = engine.start(decoder, requests)
-  segment = engine.resume.lower(decoder, state, jnp.int32(8), jnp.asarray(True)).compile().as_text()
-  for config in (CONFIG, DRAFT):
-    assert testing.loop_cache_copies(segment, batch * config.n_kv_heads * capacity * config.head_dim) == []
+  for width in (batch, 2):  # the whole batch, and the narrower program a few busy rows run
+    segment = engine.resume_rows.lower(decoder, state, jnp.int32(8), jnp.asarray(True), jnp.zeros(batch, bool),
+                                       width=width).compile().as_text()
+    for config in (CONFIG, DRAFT):
+      assert testing.loop_cache_copies(segment, width * config.n_kv_heads * capacity * config.head_dim) == []
   one = jax.tree.map(lambda x: x[:1], requests)
   insert = engine.insert.lower(decoder, state, one, jnp.int32(2)).compile().as_text()
   assert "input_output_alias" in insert.splitlines()[0]
