@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from jspec import decode, engine, sharding
+from jspec import decode, engine, memory, sharding
 from jspec.drafters import Heads
 from jspec.model import Model
 from jspec.pairing import make_decoder
@@ -42,8 +42,13 @@ def _sampling(sampling, temperature, top_k, top_p) -> SamplingConfig | list[Samp
   return list(sampling)
 
 
+def _mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:
+  return (1, 1) if mesh is None else tuple(mesh.shape.values())
+
+
 def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size: int | None,
-             sampling: SamplingConfig | list[SamplingConfig]) -> tuple[list[list[int]], decode.Decoder]:
+             sampling: SamplingConfig | list[SamplingConfig],
+             mesh: Mesh | None) -> tuple[list[list[int]], decode.Decoder]:
   """Validated token ids and the decoder for the rows that run: every prompt, or at most `batch_size`."""
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]
@@ -61,10 +66,12 @@ def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_token
   if isinstance(sampling, list) and len(sampling) != len(prompt_ids):
     raise ValueError(f"got sampling settings for {len(sampling)} rows, not {len(prompt_ids)}")
   rows = min(batch_size or len(prompt_ids), len(prompt_ids)) or 1
-  decoder = make_decoder(target, draft, spec, rows)
+  decoder = make_decoder(target, draft, spec, rows, _mesh_shape(mesh))
   check_prompts(decoder, prompt_ids, max_new_tokens)
   return prompt_ids, decoder
 
+
+DEFAULT_SLOTS = 8  # an engine's rows when not given: each width up to it is a program to compile
 
 Samplings = SamplingConfig | Sequence[SamplingConfig] | None
 
@@ -94,8 +101,11 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   SPMD program on the mesh, across processes when `jax.distributed` is initialized.
   """
   sampling = _sampling(sampling, temperature, top_k, top_p)
-  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, None, sampling)
+  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, None, sampling,
+                                 mesh)
   requests = make_requests(decoder, prompt_ids, max_new_tokens, sampling=sampling, seed=seed, ignore_eos=ignore_eos)
+  width = requests.prompts_BxP.shape[1]
+  memory.check(decoder, len(prompt_ids), width + max_new_tokens, width, mesh, shard_draft)
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, len(prompt_ids), shard_draft)
     requests = sharding.place(requests, mesh)
@@ -130,7 +140,7 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft
   """
   sampling = _sampling(sampling, temperature, top_k, top_p)
   prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size,
-                                 sampling)
+                                 sampling, mesh)
   slots = min(batch_size or len(prompt_ids), len(prompt_ids))
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
@@ -140,16 +150,27 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft
 
 
 def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: SpecConfig | None = None,
-                slots: int = 8, max_len: int | None = None, mesh: Mesh | None = None, shard_draft: bool = True,
-                segment_rounds: int = SEGMENT_ROUNDS) -> Engine:
+                slots: int | None = DEFAULT_SLOTS, max_len: int | None = None, mesh: Mesh | None = None,
+                shard_draft: bool = True, segment_rounds: int = SEGMENT_ROUNDS,
+                memory_fraction: float = 1.0) -> Engine:
   """An online `Engine` over `slots` rows of up to `max_len` tokens each (default: the model's context):
   `add` requests (`jspec.Request`) at any time, from any thread, `abort` them, and `step` it for their
   text deltas. The models and `spec` are as for `generate`. Segments run at the narrowest batch width
   that holds the busy rows, and the adaptive policy reads the costs of that width, so a full engine
-  decodes plainly and a quiet one speculates."""
+  decodes plainly and a quiet one speculates.
+
+  The slots must fit `memory_fraction` of the device (`jspec.memory`; a ValueError says what would);
+  `slots=None` takes as many as fit, up to `DEFAULT_SLOTS`."""
+  if slots is None:
+    shapes = make_decoder(target, draft, spec, 1, _mesh_shape(mesh))
+    context = max_len or shapes.context_len
+    fit = memory.make_plan(shapes, 1, context, context - 1, mesh=mesh, shard_draft=shard_draft,
+                           memory=memory.budget(mesh, memory_fraction), serving=True).max_batch
+    slots = max(min(fit, DEFAULT_SLOTS), 1)  # none fits: the engine says why
   if not (isinstance(slots, numbers.Integral) and slots >= 1):
     raise ValueError(f"slots must be an integer >= 1, got {slots}")
-  decoder = make_decoder(target, draft, spec, slots)
+  decoder = make_decoder(target, draft, spec, slots, _mesh_shape(mesh))
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
-  return Engine(decoder, target.tokenizer, slots=slots, max_len=max_len, segment_rounds=segment_rounds)
+  return Engine(decoder, target.tokenizer, slots=slots, max_len=max_len, segment_rounds=segment_rounds,
+                memory_fraction=memory_fraction)

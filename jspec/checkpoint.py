@@ -67,7 +67,7 @@ def save_heads(heads: Heads, path: str | pathlib.Path, storage_dtype: str | None
 def load_model(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model:
   """A model directory; with a `mesh`, parameters restore straight into their shards."""
   path = pathlib.Path(path).absolute()
-  config = _parse_config(read_json(path / "config.json"), dtype, path / "config.json")
+  config = parse_config(read_json(path / "config.json"), dtype, path / "config.json")
   tokenizer = load_tokenizer(path)
   params = _restore_params(path, lambda: model.init_params(config, jax.random.PRNGKey(0)), config, mesh)
   return Model(config=config, params=params, tokenizer=tokenizer, cost_models=read_cost_models(path),
@@ -77,7 +77,7 @@ def load_model(path: str | pathlib.Path, dtype: str | None = None, mesh=None) ->
 def load_heads(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Heads:
   path = pathlib.Path(path).absolute()
   meta = read_json(path / HEADS_FILE)
-  config = _parse_config(meta.get("config", {}), dtype, path / HEADS_FILE)
+  config = parse_config(meta.get("config", {}), dtype, path / HEADS_FILE)
   kind = meta.get("kind")
   if kind not in registry.DRAFTERS:
     raise ValueError(f"{path / HEADS_FILE}: unknown drafter kind {kind!r}")
@@ -140,7 +140,7 @@ def _restore_params(path: pathlib.Path, init_fn: Callable[[], Any], config: Mode
   return params if mesh is not None else jax.tree.map(jnp.asarray, params)
 
 
-def _parse_config(fields: dict, dtype: str | None, where: pathlib.Path) -> ModelConfig:
+def parse_config(fields: dict, dtype: str | None, where: pathlib.Path) -> ModelConfig:
   try:
     return ModelConfig.from_dict({**fields, "dtype": dtype or default_dtype()})
   except (TypeError, ValueError) as e:

@@ -14,6 +14,7 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import jspec
 from jspec import outputs, shipped
@@ -27,6 +28,7 @@ from jspec.settings import (
   SamplingConfig,
   SpecConfig,
   TreeConfig,
+  user_cache_dir,
 )
 
 EXAMPLES = """examples:
@@ -235,20 +237,17 @@ def speculation(args: argparse.Namespace) -> SpecConfig:
 
 def default_compile_cache() -> str:
   """$JSPEC_COMPILE_CACHE, else jspec/xla under $XDG_CACHE_HOME (~/.cache)."""
-  if os.environ.get("JSPEC_COMPILE_CACHE"):
-    return os.environ["JSPEC_COMPILE_CACHE"]
-  home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(home, "jspec", "xla")
+  return os.environ.get("JSPEC_COMPILE_CACHE") or user_cache_dir("xla")
 
 
-def load_draft(args: argparse.Namespace, mesh) -> tuple:
-  """(draft weights or None, the drafter kind or None for plain decoding)."""
+def load_draft(args: argparse.Namespace, load: Callable[[str | pathlib.Path], object]) -> tuple:
+  """(draft weights or None, the drafter kind or None for plain decoding), read by `load` (`jspec.load`
+  with the dtype and mesh asked for, or `jspec.loading.load_shapes` for a memory plan)."""
   if args.no_draft:
     return None, None
-  draft_mesh = None if args.replicate_draft else mesh
   if args.draft is not None:
     log.info("loading the draft %s", args.draft)
-    return jspec.load(args.draft, dtype=args.dtype, mesh=draft_mesh), args.drafter
+    return load(args.draft), args.drafter
   drafter = args.drafter or shipped.DEFAULT_DRAFTER
   if drafter not in shipped.DRAFTS:
     return None, drafter
@@ -256,7 +255,7 @@ def load_draft(args: argparse.Namespace, mesh) -> tuple:
   if pair is None:
     raise ValueError(f"the {drafter} drafter needs --draft DIR for a target other than the shipped ones")
   log.info("loading the %s drafter %s", drafter, pair.drafts[drafter])
-  return jspec.load(pair.drafts[drafter], dtype=args.dtype, mesh=draft_mesh), drafter
+  return load(pair.drafts[drafter]), drafter
 
 
 def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model, dict]:
@@ -265,7 +264,8 @@ def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model
   mesh = jspec.make_mesh(args.mesh) if args.mesh else None
   log.info("loading the target %s", args.target)
   target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, mesh=mesh)
-  draft, drafter = load_draft(args, mesh)
+  draft_mesh = None if args.replicate_draft else mesh
+  draft, drafter = load_draft(args, lambda path: jspec.load(path, dtype=args.dtype, mesh=draft_mesh))
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
   return target, dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft)
 
@@ -387,6 +387,14 @@ def print_human(out: dict, texts: bool) -> None:
   print(line)
 
 
+def calibrate_command(args: argparse.Namespace) -> str:
+  """The `python -m jspec.calibrate` command for the models these flags chose."""
+  words = ["python -m jspec.calibrate", f"--target {args.target}"]
+  words += [f"--draft {args.draft}"] * (args.draft is not None) + [f"--drafter {args.drafter}"] * bool(args.drafter)
+  words += [f"--dtype {args.dtype}"] * bool(args.dtype) + [f"--batches 1,{args.batch_size}"] * (args.batch_size > 1)
+  return " ".join(words)
+
+
 def init_distributed(args: argparse.Namespace) -> bool:
   """Joins a multi-process run (flags, or JAX's standard environment variables); True on process 0."""
   import os
@@ -421,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   if not leader:  # every process ran the same program; one reports it
     return 0
+  cost = (out.get("stats") or {}).get("cost_model")
+  if cost and cost["source"] == "neutral":
+    print("note: adaptive speculation ran on neutral cost figures (none measured for this pair on this device); "
+          f"measure them once with: {calibrate_command(args)}", file=sys.stderr)
   if args.json:
     print(json.dumps(out))
   else:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pathlib
 
-from jspec import checkpoint, hf, shipped
+import jax
+
+from jspec import checkpoint, hf, model, registry, shipped
 from jspec.config import default_dtype
 from jspec.drafters import Heads
 from jspec.model import Model
@@ -29,3 +31,31 @@ def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model
   if checkpoint.is_heads_dir(path):
     return checkpoint.load_heads(path, dtype, mesh)
   return checkpoint.load_model(path, dtype, mesh)
+
+
+def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | Heads:
+  """A model or heads with their parameters' shapes only (`jax.ShapeDtypeStruct`s) and no tokenizer, from a
+  checkpoint directory (the weights are not read) or a bare `config.json` (jspec's or Hugging Face's) or
+  `drafter.json`: what the memory plan needs (`jspec.memory`)."""
+  dtype = dtype or default_dtype()
+  if dtype not in DTYPES:
+    raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+  path = shipped.resolve(path).absolute()
+  if path.is_dir():
+    path = path / (checkpoint.HEADS_FILE if checkpoint.is_heads_dir(path) else "config.json")
+  fields = checkpoint.read_json(path)
+  if not isinstance(fields, dict):
+    raise ValueError(f"{path}: not a JSON object")
+  init = jax.random.PRNGKey(0)
+  if "kind" in fields:  # drafter.json
+    heads_config = checkpoint.parse_config(fields.get("config", {}), dtype, path)
+    if fields["kind"] not in registry.DRAFTERS:
+      raise ValueError(f"{path}: unknown drafter kind {fields['kind']!r}")
+    drafter = registry.drafter_class(fields["kind"]).from_metadata(heads_config, fields)
+    return Heads(drafter, jax.eval_shape(drafter.init_params, init))
+  try:
+    config = (hf.config_from_hf(fields, dtype) if "model_type" in fields
+              else checkpoint.parse_config(fields, dtype, path))
+  except KeyError as e:
+    raise ValueError(f"{path}: config without {e}") from None
+  return Model(config, jax.eval_shape(lambda k: model.init_params(config, k), init), tokenizer=None)

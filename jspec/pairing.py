@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jspec import model, registry
-from jspec.config import num_params
+from jspec import calibration, model, registry
 from jspec.decode import Decoder
 from jspec.drafters import Drafter, Heads
 from jspec.model import Model
@@ -17,10 +16,13 @@ def drafter_kind(draft: Model | Heads) -> str:
   return draft.drafter.kind if isinstance(draft, Heads) else "model"
 
 
-def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | None, batch: int) -> Decoder:
+def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | None, batch: int,
+                 mesh_shape: tuple[int, ...] = (1, 1)) -> Decoder:
   """The decoder for a batch of `batch` rows. Plain decoding when neither a draft nor `spec.drafter` is
   given, or, without adaptive K, when the batch reaches `spec.disable_at_batch_size` (with it, the
-  policy steps aside per round, from the rows running). Mismatches are one-line ValueErrors.
+  policy steps aside per round, from the rows running). Mismatches are one-line ValueErrors. The adaptive
+  policy's cost model is the one `jspec.calibration.cost_model` picks for these models on a mesh of
+  `mesh_shape`.
 
   The target's LM head is made explicit here (`model.with_head`), once, so every program and every step
   driven by hand runs with it."""
@@ -34,27 +36,26 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
   if not cls.needs_weights:
     if draft is not None:
       raise ValueError(f"the {kind} drafter takes no draft weights")
-    params, measured = None, target.cost_models.get(kind)
+    params = None
   else:
     if draft is None:
       raise ValueError(f"the {kind} drafter needs draft weights")
     if kind != drafter_kind(draft):
       raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
-    params, measured = draft.params, draft.cost_models.get(kind)
+    params = draft.params
+  measured, source = calibration.cost_model(target, draft, kind, cls.needs_weights, mesh_shape)
   drafter = cls.for_pair(target, draft, spec)
   disable_at = spec.disable_at_batch_size
   if disable_at is not None and batch >= disable_at and (spec.adaptive is None or spec.tree is not None):
     return plain  # vLLM's rule: large batches gain little from speculation (adaptive: per round, below)
-  if measured is not None and measured.target_params not in (None, num_params(target.config)):
-    measured = None  # measured with another target
   policy = spec.adaptive
   if spec.tree is not None:  # trees run at their fixed shape
     spec = _tree_spec(target, drafter, spec, measured)
     policy = None
     drafter = drafter.with_max_lag(spec.draft_len)  # a cache may trail the text by the accepted path
   if policy is not None:
-    policy = dataclasses.replace(policy.with_costs(measured or CostModel.neutral(cls.needs_weights), batch),
-                                 disable_at_rows=disable_at)
+    policy = dataclasses.replace(policy.with_costs(measured, batch), disable_at_rows=disable_at,
+                                 cost_source=source)
     if drafter.lags_plain_steps:  # plain steps leave it behind, by up to a probe interval (`jspec.adaptive`)
       drafter = drafter.with_max_lag(policy.probe_interval + 1)
   spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)

@@ -27,8 +27,7 @@ from collections.abc import Hashable, Iterator, Sequence
 import jax
 import numpy as np
 
-from jspec import cache as kvcache
-from jspec import engine, request, sharding
+from jspec import engine, memory, request, sharding
 from jspec.decode import Decoder
 from jspec.request import GREEDY
 from jspec.settings import SamplingConfig
@@ -107,10 +106,11 @@ class Engine:
   decoder's context). A request that cannot fit is refused by `add` with a ValueError, before it waits.
   `narrow` runs segments at narrower widths when few rows are busy (one program per width); False keeps
   one width, for batch jobs, whose narrow stretch is only their tail.
+  Slots that do not fit `memory_fraction` of the device (`jspec.memory`) are refused with a ValueError.
   """
 
   def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
-               segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True):
+               segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True, memory_fraction: float = 1.0):
     if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
       raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
     context = decoder.context_len
@@ -125,9 +125,13 @@ class Engine:
     self.widths = (slots,) if decoder.layout is not None or not narrow else \
         tuple(sorted({min(1 << k, slots) for k in range(slots.bit_length() + 1)}))
     # One capacity for the engine's life: blocks enough for max_len tokens, a round's headroom, and the
-    # widest padded prompt, not rounded up to a power of two as one-off batches are.
-    needed = max(max_len + decoder.headroom + 1, request.prompt_bucket(max_len))
-    self.capacity = -(-needed // kvcache.BLOCK_SIZE) * kvcache.BLOCK_SIZE
+    # widest padded prompt, not rounded up to a power of two as one-off batches are; refused before
+    # anything is allocated when it does not fit the device.
+    layout = decoder.layout
+    self.capacity = memory.shape(decoder, max_len, max_len - 1, serving=True)[1]
+    memory.check(decoder, slots, max_len, max_len - 1, layout and layout.mesh,
+                 not (layout and layout.draft_replicated), serving=True,
+                 memory=memory.budget(layout and layout.mesh, memory_fraction))
     eos = tuple(decoder.target_config.stop_ids)
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
     self.compile_seconds = 0.0  # compiling (or loading) programs

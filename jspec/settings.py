@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 
 from jspec import registry
 
@@ -21,6 +22,12 @@ MAX_NGRAM = 8
 MAX_TREE_NODES = 64  # draft tree nodes a round may verify (one target forward over them all)
 DEFAULT_TREE = (4, 16)  # top-k and nodes of a tree for a drafter with no measured shape
 DTYPES = ("float32", "bfloat16")  # what parameters and activations may be computed in
+
+
+def user_cache_dir(name: str) -> str:
+  """jspec/`name` under $XDG_CACHE_HOME (~/.cache)."""
+  home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(home, "jspec", name)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -57,8 +64,9 @@ class CostModel:
 
   c (`cost_ratio`): one draft step over one target step; v (`verify_cost`): what each extra verified token
   adds to a target forward; o (`round_overhead`): a round's time beyond its forwards. `python -m
-  jspec.bench --suite cost --write` measures them for a pair and stores them with the drafter's checkpoint, noting
-  the target's parameter count: a measured cost model applies only to a target of that size.
+  jspec.calibrate` measures them for a pair on the devices at hand (`jspec.calibration`); with `--write` it
+  stores them with the drafter's checkpoint, noting the target's parameter count and the `backend` and
+  `device_kind` they were measured on: they apply only to a target of that size on such devices.
   `tree_top_k` and `tree_nodes`: the fastest tree shape measured for the drafter (`--suite tree --write`),
   what `TreeConfig()` uses with it.
 
@@ -70,6 +78,8 @@ class CostModel:
   verify_cost: float = 0.0
   round_overhead: float = 0.0
   target_params: int | None = None  # the target it was measured with; None: any
+  backend: str | None = None  # where it was measured: jax's backend ("cpu", "gpu", "tpu") and device kind
+  device_kind: str | None = None
   tree_top_k: int | None = None
   tree_nodes: int | None = None
   batches: tuple[tuple[int, CostModel], ...] = ()
@@ -83,6 +93,8 @@ class CostModel:
     for name in ("cost_ratio", "verify_cost", "round_overhead"):
       value = getattr(self, name)
       _check(_is_real(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
+    _check(all(isinstance(getattr(self, n), (str, type(None))) for n in ("backend", "device_kind")),
+           "backend and device_kind must be strings")
     _check(self.target_params is None or _is_int(self.target_params),
            f"target_params must be an integer, got {self.target_params}")
     for name in ("tree_top_k", "tree_nodes"):
@@ -137,6 +149,7 @@ class AdaptiveConfig:
   initial_draft_len: int = 4  # K until any row has data
   costs_by_rows: tuple[tuple[float, float, float], ...] = ()  # (c, v, o) for batches of 1, 2, ... rows
   disable_at_rows: int | None = None
+  cost_source: str | None = None  # where the cost model came from (`jspec.calibration.SOURCES`)
 
   def __post_init__(self):
     _check(self.disable_at_rows is None or (_is_int(self.disable_at_rows) and self.disable_at_rows >= 1),

@@ -52,14 +52,20 @@ PARAM_AXES = {
 }
 
 
-def make_mesh(spec: str, devices: list | None = None) -> Mesh:
-  """A mesh from "data=D,model=M" (either may be omitted: 1) over `devices` (default: all)."""
+def mesh_sizes(spec: str) -> dict[str, int]:
+  """The axis sizes "data=D,model=M" asks for (either may be omitted: 1)."""
   sizes = {"data": 1, "model": 1}
   for part in filter(None, (p.strip() for p in spec.split(","))):
     name, _, value = part.partition("=")
     if name not in sizes or not value.isdigit() or int(value) < 1:
       raise ValueError(f"bad mesh spec {spec!r}: expected data=D,model=M with positive integers")
     sizes[name] = int(value)
+  return sizes
+
+
+def make_mesh(spec: str, devices: list | None = None) -> Mesh:
+  """A mesh from "data=D,model=M" (either may be omitted: 1) over `devices` (default: all)."""
+  sizes = mesh_sizes(spec)
   devices = list(jax.devices() if devices is None else devices)
   if sizes["data"] * sizes["model"] != len(devices):
     raise ValueError(f"mesh {spec!r} needs {sizes['data'] * sizes['model']} devices; there are {len(devices)}")

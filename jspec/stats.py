@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import adaptive
-from jspec.settings import SpecConfig
+from jspec.settings import COST_FIELDS, SpecConfig
 
 
 @flax.struct.dataclass
@@ -105,6 +105,9 @@ class Stats:
   acceptance_ewma: float | None
   acceptance_window: float | None
   adaptive: bool
+  # Adaptive K's cost model: {"source": "calibrated" | "checkpoint" | "neutral", "cost_ratio", "verify_cost",
+  # "round_overhead"} (at the batch's width; `jspec.calibration`); None without adaptive K.
+  cost_model: dict[str, Any] | None
   tree: dict[str, int] | None  # the draft tree's depth, top_k and nodes; None: chains
   draft_len_counts: dict[int, int]  # batched rounds per scheduled K; 0: an adaptive plain step
   fallback_rounds: int
@@ -135,7 +138,7 @@ class Stats:
         per_position_acceptance=[float(a) / rounds for a in s.accepted_at_K] if speculative and rounds else [],
         acceptance_ewma=_mean_finite(s.acceptance.ewma_rate) if speculative else None,
         acceptance_window=_mean_finite(s.acceptance.window_rate) if speculative else None,
-        adaptive=bool(spec and spec.adaptive), tree=tree or None,
+        adaptive=bool(spec and spec.adaptive), cost_model=_cost_model(spec), tree=tree or None,
         draft_len_counts={k: int(c) for k, c in enumerate(s.draft_len_counts_K1) if c} if speculative else {},
         fallback_rounds=int(s.fallback_rounds), probe_rounds=int(s.probe_rounds),
         trace=[dict(zip(("draft_len", "accepted", "acceptance_window", "acceptance_ewma"),
@@ -174,6 +177,13 @@ class RequestStats:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+def _cost_model(spec: SpecConfig | None) -> dict[str, Any] | None:
+  policy = spec and spec.adaptive
+  if not policy:
+    return None
+  return {"source": policy.cost_source, **{name: getattr(policy, name) for name in COST_FIELDS}}
 
 
 def _mean_finite(x: np.ndarray) -> float | None:

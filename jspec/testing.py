@@ -30,6 +30,12 @@ def fixed_k(draft_len: int = 4, **kw) -> SpecConfig:
   return SpecConfig(draft_len, adaptive=None, **kw)
 
 
+def measured_here() -> dict[str, str]:
+  """The `CostModel` fields of figures measured on the devices here (`jspec.calibration`)."""
+  backend, device_kind = jax.default_backend(), jax.devices()[0].device_kind
+  return dict(backend=backend, device_kind=device_kind)
+
+
 def random_model(config: ModelConfig = TINY, seed: int = 0, scale: float = 1.0) -> Model:
   """A random model with the byte tokenizer. `scale` multiplies the embeddings: larger means peakier."""
   params = model.init_params(config, jax.random.PRNGKey(seed))

@@ -174,7 +174,7 @@ def test_disable_at_batch_size_decodes_plainly_while_that_many_rows_run(pair):
 def test_a_loaded_batch_steps_aside_when_its_verify_cannot_pay(pair):
   """Costs measured at 4 rows that no K can beat: a batch of 4 decodes plainly, one of 2 speculates."""
   target, draft = pair
-  measured = CostModel(0.1, 0.05, 0.2, batches={4: CostModel(0.5, 0.6, 1.0)})
+  measured = CostModel(0.1, 0.05, 0.2, batches={4: CostModel(0.5, 0.6, 1.0)}, **testing.measured_here())
   draft = dataclasses.replace(draft, cost_models={"model": measured})
   spec = SpecConfig(draft_len=2)
   policy = pairing.make_decoder(target, draft, spec, 4).spec.adaptive
@@ -191,7 +191,7 @@ def test_a_loaded_batch_steps_aside_when_its_verify_cannot_pay(pair):
 
 def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
   target, draft = pair
-  measured = CostModel(0.3, 0.05, 0.7, target_params=num_params(target.config),
+  measured = CostModel(0.3, 0.05, 0.7, target_params=num_params(target.config), **testing.measured_here(),
                        batches={4: CostModel(0.35, 0.2, 0.5), 8: CostModel(0.4, 0.3, 0.4)})
   checkpoint.save(dataclasses.replace(draft, cost_models={"model": measured}), tmp_path / "draft")
   loaded = jspec.load(tmp_path / "draft")
@@ -223,6 +223,7 @@ def test_the_shipped_checkpoints_carry_their_measured_cost_models(pair):
   for kind, path in pair.drafts.items():
     cost = checkpoint.read_cost_models(path)[kind]
     assert cost.target_params == num_params(target.config) and 0 < cost.cost_ratio < 1
+    assert (cost.backend, cost.device_kind) == ("cpu", "cpu")  # what CPU users get (`jspec.calibration`)
 
 
 def test_settings_refuse_every_bad_value():

@@ -3,7 +3,6 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
 
   python -m jspec.bench                              # the sweep: drafter x K x temperature x batch vs plain
   python -m jspec.bench --suite defaults --max-new-tokens 128 --also-drafters model   # what a user gets
-  python -m jspec.bench --suite cost --write         # c, v, o at batch 1, 4, 8, stored in the checkpoints
   python -m jspec.bench --target DIR --draft eagle=DIR --suite defaults   # your own pair
   python -m jspec.bench --suite serving --drafters eagle   # the server: speculative against plain, over HTTP
   python -m jspec.bench --suite gpu                  # the prepared check on one NVIDIA GPU (--smoke: anywhere)
@@ -86,8 +85,6 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                                               a.max_new_tokens, a.repeats, a.prompts, a.write, a.tree_depth,
                                               tuple(tuple(_ints(s.replace("x", ","))) for s in
                                                     a.tree_shapes.split(",")))),
-    "cost": ("the cost models c, v, o per batch (--write: into the checkpoints)",
-             lambda a, m, o: parts.suite_cost(m, a.repeats, _kinds(a), a.write, _ints(a.batches))),
     "round": ("where a round's time goes", lambda a, m, o: {"rounds": [parts.suite_round(m, a.repeats, kind)
                                                                         for kind in _kinds(a)]}),
     "prefill": ("prefill time by prompt bucket", lambda a, m, o: parts.suite_prefill(m, a.repeats)),
@@ -114,7 +111,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--draft", action="append", default=[], metavar="KIND=DIR",
                   help="with --target: a drafter's weights (repeat for several kinds)")
   ap.add_argument("--write", action="store_true",
-                  help="--suite cost: store the cost models in the checkpoints; --suite tree: the fastest tree shapes")
+                  help="--suite tree: store the fastest tree shapes in the checkpoints (the cost models: "
+                       "python -m jspec.calibrate --write)")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
   ap.add_argument("--max-new-tokens", type=int, default=64)

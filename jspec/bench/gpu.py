@@ -29,8 +29,8 @@ from jax import lax
 import jspec
 from jspec import cache as kvcache
 from jspec import decode, engine, model, pairing, shipped, testing
-from jspec.bench.parts import step_loop
 from jspec.bench.timing import interleaved
+from jspec.calibration import step_loop
 from jspec.config import ModelConfig, num_params
 from jspec.request import make_requests
 from jspec.settings import SpecConfig

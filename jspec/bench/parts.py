@@ -10,17 +10,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import jspec
 from jspec import cache as kvcache
-from jspec import checkpoint, decode, model, pairing, shipped, testing
+from jspec import decode, model, shipped, testing
 from jspec.bench.timing import interleaved
+from jspec.calibration import started, step_loop
 from jspec.config import ModelConfig, num_params
 from jspec.drafters import Proposal
-from jspec.request import make_requests
-from jspec.settings import CostModel, SpecConfig
 
 # ~31M parameters: a target large enough that a step is dominated by reading its weights.
 MID = ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, mlp_dim=1536,
@@ -30,38 +28,6 @@ MID = ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8,
 # The model of the decode-step measurements (docs/cpu-performance.md): 6 layers, width 384, heads of 64.
 STEP_MODEL = ModelConfig(vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_heads=6, head_dim=64,
                          mlp_dim=1024, max_seq_len=8192)
-
-
-def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int, seq: int, attention: bool,
-              steps: int = 32):
-  """A jitted while-loop of `steps` forwards of `seq` tokens per row over a cache holding `used` tokens.
-
-  The cache is donated and handed back, as in the decode loop, so no call pays for copying it.
-  """
-  tokens = jnp.ones((batch, seq), jnp.int32)
-  positions = used + jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-
-  def one(cache):
-    if attention:
-      logits, _, cache = model.forward(params, tokens, positions, cache, config)
-      return logits, cache.rewind(cache.lengths - seq)
-    hidden = model.trunk(params, tokens, positions, config, lambda i, q, k, v: q)
-    return model.logits_from_hidden(params, hidden, config), cache
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def run(cache):
-    def body(i, c):
-      acc, cache = c
-      logits, cache = one(cache)
-      return acc + logits[0, 0, 0], cache
-    return lax.fori_loop(0, steps, body, (jnp.zeros(()), cache))
-
-  state = [kvcache.init_cache(config, batch, capacity).rewind(jnp.full((batch,), used, jnp.int32))]
-
-  def call():
-    acc, state[0] = run(state[0])
-    jax.block_until_ready(acc)
-  return call, steps
 
 
 def naive_step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int, steps: int = 32):
@@ -188,15 +154,6 @@ def shipped_pair(pair: Models, kind: str):
   return jspec.load(pair.target), jspec.load(pair.drafts[kind]) if kind in pair.drafts else None
 
 
-def started(target, draft, kind: str, draft_len: int, batch: int, used: int, max_new: int = 10 ** 6):
-  """A decoder and its state after prefilling `batch` random prompts of `used` tokens, greedy, in a cache of
-  512 slots."""
-  decoder = pairing.make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
-  prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)).tolist()
-  requests = make_requests(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
-  return decoder, decode.start(decoder, requests.replace(max_new_tokens_B=np.full((batch,), max_new, np.int32)))
-
-
 def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int = 4, used: int = 200,
                 batch: int = 1) -> dict:
   """Where a speculative round's time goes, shipped pair, greedy: the whole round, its parts (the proposal
@@ -251,84 +208,3 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
           # of which: acceptance, commit, statistics and the drafter's bookkeeping after the forward
           "verify_logic_ms": t["verify_step"] - t["verify_forward"],
           "interference_ms": t["propose_and_ar_step"] - t["propose"] - t["ar_step"]}
-
-
-def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = 200, batch: int = 1) -> float:
-  """c for any drafter: one proposal (K = 1) over one target step, `batch` rows of `used` tokens.
-
-  Both run 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
-  """
-  decoder, state = started(target, draft, kind, 1, batch, used)
-  tparams, lens = decoder.target_params, state.seq_lens_B
-  keys = jnp.zeros((1, batch, 2), jnp.uint32)
-
-  # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
-  @functools.partial(jax.jit, donate_argnums=0)
-  def propose_loop(dstate):
-    def body(i, carry):
-      acc, dstate = carry
-      dstate, proposal = decoder.drafter.propose(decoder.weights, dstate,
-                                                 state.context.replace(seq_lens_B=lens - i % 2), keys)
-      return acc + proposal.logits_BxKxV[0, 0, 0], dstate
-    return lax.fori_loop(0, 32, body, (jnp.zeros(()), dstate))
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def target_loop(cache):
-    def body(i, carry):
-      acc, cache = carry
-      pos = lens[:, None] - 1 - i % 2
-      logits, _, cache = model.forward(tparams, state.tokens_BxT[:, :1], pos, cache.rewind(pos[:, 0]), target.config)
-      return acc + logits[0, 0, 0], cache
-    return lax.fori_loop(0, 32, body, (jnp.zeros(()), cache))
-
-  carried = jax.tree.map(jnp.copy, {"draft": state.drafter_state, "target": state.target_cache})  # to donate
-
-  def run(name, fn):
-    acc, carried[name] = fn(carried[name])
-    jax.block_until_ready(acc)
-
-  t = interleaved({"draft": lambda: run("draft", propose_loop), "target": lambda: run("target", target_loop)},
-                  repeats)
-  return t["draft"] / t["target"]
-
-
-def verify_ratio(target, batch: int, k: int, repeats: int, used: int = 200) -> float:
-  """A forward of K+1 tokens per row over one of 1 token, batch rows, `used` tokens in the cache: 1 + K v
-  in the cost model's terms."""
-  tparams = model.with_head(target.params)
-  one, _ = step_loop(tparams, target.config, batch, 512, used, 1, True)
-  wide, _ = step_loop(tparams, target.config, batch, 512, used, k + 1, True)
-  t = interleaved({"one": one, "wide": wide}, repeats)
-  return t["wide"] / t["one"]
-
-
-def suite_cost(pair: Models, repeats: int, kinds: list[str], write: bool, batches: list[int],
-               draft_len: int = 4) -> dict:
-  """Each shipped drafter's cost model on the shipped target at each batch size: c
-  (`drafter_cost_ratio`), v from the verify of K+1 tokens a row against one, and o, what a round
-  (`suite_round`) costs beyond 1 + K (c + v). `write` stores them in the checkpoints (`cost_model.json`),
-  where the API and CLI read them: batch 1's as the cost model, the others as its `batches`."""
-  target = jspec.load(pair.target)
-  batches = sorted({1, *batches})  # batch 1's is the cost model itself
-  v = {b: (verify_ratio(target, b, draft_len, repeats) - 1) / draft_len for b in batches}
-  out = {}
-  for kind in kinds:
-    _, draft = shipped_pair(pair, kind)
-    measured = {}
-    for b in batches:
-      c = drafter_cost_ratio(target, draft, kind, repeats, batch=b)
-      round_cost = suite_round(pair, repeats, kind, draft_len, batch=b)["round_in_ar_steps"]
-      measured[b] = CostModel(round(c, 4), round(v[b], 4), round(max(round_cost - 1 - draft_len * (c + v[b]), 0.0), 4))
-      out.setdefault(kind, {})[b] = {"cost_ratio": measured[b].cost_ratio, "verify_cost": measured[b].verify_cost,
-                                     "round_overhead": measured[b].round_overhead, "round_in_ar_steps": round_cost}
-      print(json.dumps({kind: {b: out[kind][b]}}), file=sys.stderr)
-    cost = dataclasses.replace(measured[1], target_params=num_params(target.config),
-                               batches=tuple((b, m) for b, m in measured.items() if b != 1))
-    if write:
-      where = pair.drafts.get(kind, pair.target)  # n-gram's cost model lives with the target
-      models = checkpoint.read_cost_models(where)
-      if kind in models:  # a measured tree shape stays
-        cost = dataclasses.replace(cost, tree_top_k=models[kind].tree_top_k, tree_nodes=models[kind].tree_nodes)
-      checkpoint.write_cost_models(where, {**models, kind: cost})
-  return {"draft_len": draft_len, "target_params": num_params(target.config), "written": write,
-          "cost_models": out}

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 
 import jspec
 from jspec import adaptive, checkpoint, engine
-from jspec.bench.parts import Models, drafter_cost_ratio, shipped_pair, verify_ratio
+from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import heldout_prompts
 from jspec.bench.timing import Progress, interleaved, peak_memory_mb, reset_peak_memory
+from jspec.calibration import drafter_cost_ratio, verify_ratio
 from jspec.config import num_params
 from jspec.settings import CostModel, SpecConfig, TreeConfig
 

@@ -3,30 +3,12 @@ from __future__ import annotations
 
 import pathlib
 import resource
-import statistics
 import sys
 import time
 
 import jax
 
-
-def interleaved(fns: dict, repeats: int, warmup: bool = True, warm_each: bool = False) -> dict[str, float]:
-  """Median seconds of each fn, calling them in turn `repeats` times (after one warm-up each).
-
-  `warm_each` times each call right after an untimed call of the same fn: for fns that share no weights,
-  so that none is timed with the CPU caches full of the previous fn's data.
-  """
-  for f in fns.values() if warmup else ():
-    f()
-  times = {k: [] for k in fns}
-  for _ in range(repeats):
-    for k, f in fns.items():
-      if warm_each:
-        f()
-      t0 = time.perf_counter()
-      f()
-      times[k].append(time.perf_counter() - t0)
-  return {k: statistics.median(v) for k, v in times.items()}
+from jspec.calibration import interleaved  # noqa: F401  (the suites time with it)
 
 
 def peak_memory_mb() -> float | None:

@@ -45,7 +45,8 @@ class ModelDrafter(Drafter):
 
   @classmethod
   def for_pair(cls, target: Model, draft: Model, spec: SpecConfig) -> ModelDrafter:
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # embeddings may be padded to other sizes
+    # Embeddings may be padded to other sizes. Models without tokenizers are shapes for a memory plan.
+    if None not in (draft.tokenizer, target.tokenizer) and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
       raise ValueError("the draft's tokenizer differs from the target's")
     return cls(draft.config, vocab_size=target.config.vocab_size)
 

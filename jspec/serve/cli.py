@@ -34,9 +34,15 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--port", type=int, default=8000)
   g.add_argument("--served-model-name", metavar="NAME", default=None,
                  help="the model name requests give (default: --target as given)")
-  g.add_argument("--batch-size", type=int, default=8, metavar="B", help="requests decoded together (slots)")
+  g.add_argument("--batch-size", type=int, default=None, metavar="B",
+                 help="requests decoded together (slots; default: as many as fit, up to 8)")
   g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                  help="tokens (prompt and output) a request may hold (default: the model's context)")
+  g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
+                 help="share of the device's memory the server may use (vLLM's gpu_memory_utilization)")
+  g.add_argument("--no-calibrate", action="store_true",
+                 help="start without measuring the pair's cost model when none is kept for it (python -m "
+                      "jspec.calibrate); adaptive speculation then uses the checkpoint's or neutral figures")
   g.add_argument("--max-queue", type=int, default=256, metavar="N",
                  help="requests that may wait for a slot; past it, requests get 503 and Retry-After")
   g.add_argument("--segment-rounds", type=int, default=SEGMENT_ROUNDS, metavar="R",
@@ -50,11 +56,31 @@ def check(args: argparse.Namespace) -> None:
   if not 0 <= args.port < 65536:
     raise ValueError(f"--port must be in [0, 65536), got {args.port}")
   for name in ("batch_size", "max_queue", "segment_rounds"):
-    if getattr(args, name) < 1:
+    if getattr(args, name) is not None and getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if not 0 < args.memory_fraction <= 1:
+    raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
   if args.num_processes is not None and args.num_processes > 1:
     raise ValueError("multi-process serving is not supported; serve from one process (its mesh may span its "
                      "devices)")
+
+
+def calibrate(target, models: dict, slots: int) -> bool:
+  """Measures the cost model adaptive speculation reads (at batch 1 and the slots), unless one is kept for
+  these models on these devices: as vLLM profiles memory at start-up. Meshes keep the figures they have.
+  True when it measured."""
+  from jspec import calibration, pairing
+
+  spec, draft = models["spec"], models["draft"]
+  if spec is None or spec.adaptive is None or spec.tree is not None or models["mesh"] is not None:
+    return False
+  kind = spec.drafter or pairing.drafter_kind(draft)
+  if calibration.stored(target, draft, kind) is not None:
+    return False
+  log.info("calibrating the %s drafter's cost model (once for these models on this device; --no-calibrate "
+           "skips)", kind)
+  calibration.store(target, draft, kind, calibration.measure(target, draft, kind, sorted({1, slots})))
+  return True
 
 
 def build(args: argparse.Namespace):
@@ -68,8 +94,12 @@ def build(args: argparse.Namespace):
     programs.use_compile_cache(args.compile_cache)
   spec = cli.speculation(args)
   target, models = cli.load_models(args, spec)
-  engine = jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
-                             segment_rounds=args.segment_rounds, **models)
+  make = lambda: jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
+                                   segment_rounds=args.segment_rounds, memory_fraction=args.memory_fraction,
+                                   **models)
+  engine = make()  # what cannot fit is refused before anything is measured or compiled
+  if not args.no_calibrate and calibrate(target, models, engine.slots):
+    engine = make()  # with the figures just measured
   log.info("compiling the serving programs (%d slots of %d tokens)", engine.slots, engine.max_len)
   engine.warm_up()
   name = args.served_model_name or args.target

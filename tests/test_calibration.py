@@ -1,0 +1,118 @@
+"""Calibration: c measured here against the ratio of the two models' plain decoding steps, and which cost model
+a decoder uses (a calibration kept for exactly these models and devices, else the checkpoint's when measured
+on such devices, else neutral), as the API, the CLI and the server see it."""
+import dataclasses
+import json
+import statistics
+
+import jax
+import pytest
+
+import jspec
+from jspec import calibrate, calibration, checkpoint, cli, pairing, shipped, testing
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+  """Each test keeps its calibrations apart from the user's."""
+  monkeypatch.setenv("JSPEC_CALIBRATION_DIR", str(tmp_path / "calibration"))
+
+
+def _plain_step_seconds(m, prompt: list[int], steps: int = 96) -> float:
+  run = lambda: jspec.generate(m, [prompt], max_new_tokens=steps, ignore_eos=True).stats.wall_seconds
+  run()  # compiled
+  return statistics.median(run() for _ in range(5)) / steps
+
+
+def test_calibrated_c_is_the_ratio_of_the_plain_decoding_steps():
+  """The small shipped pair: c, as calibration measures it, within 25% of the draft's plain decoding step
+  over the target's, each timed through `jspec.generate` (interleaved, medians)."""
+  target, draft = jspec.load(shipped.SMALL.target), jspec.load(shipped.SMALL.drafts["model"])
+  c = calibration.drafter_cost_ratio(target, draft, "model", repeats=7)
+  prompt = list(range(1, 65))
+  ratios = []
+  for _ in range(3):  # interleaved: the machine's load falls on both
+    ratios.append(_plain_step_seconds(draft, prompt) / _plain_step_seconds(target, prompt))
+  ratio = statistics.median(ratios)
+  assert abs(c - ratio) <= 0.25 * ratio, (c, ratios)
+
+
+def test_a_calibration_is_kept_for_exactly_its_models_and_devices(tmp_path):
+  target, draft = testing.random_pair()
+  measured = CostModel(0.2, 0.05, 0.4, batches={4: CostModel(0.3, 0.1, 0.5)}, **testing.measured_here())
+  where = calibration.store(target, draft, "model", measured)
+  assert where.parent == tmp_path / "calibration"
+  assert calibration.stored(target, draft, "model") == measured
+  assert calibration.cost_model(target, draft, "model", True) == (measured, "calibrated")
+  # Anything its figures depend on, changed: another shape, dtype, drafter kind or mesh.
+  wider = testing.random_model(dataclasses.replace(testing.NO_EOS, mlp_dim=256))
+  assert calibration.stored(wider, draft, "model") is None
+  assert calibration.stored(jspec.Model(dataclasses.replace(target.config, dtype="bfloat16"),
+                                        jax.tree.map(lambda x: x.astype("bfloat16"), target.params), None),
+                            draft, "model") is None
+  assert calibration.stored(target, None, "ngram") is None
+  assert calibration.stored(target, draft, "model", (2, 1)) is None
+  # The weights' values are not part of it: retrained weights of the same shapes keep the calibration.
+  assert calibration.stored(target, testing.perturbed(draft, 0.1), "model") == measured
+  # A corrupt file is as good as none.
+  where.write_text("{not json")
+  assert calibration.stored(target, draft, "model") is None
+
+
+def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_says_which(tmp_path):
+  target, draft = testing.random_pair()
+  policy = lambda d: pairing.make_decoder(target, d, SpecConfig(adaptive=AdaptiveConfig()), 1).spec.adaptive
+  # Figures measured on other devices are not used; on these, they are.
+  elsewhere = dataclasses.replace(draft, cost_models={"model": CostModel(0.3, 0.1, 0.6, backend="gpu",
+                                                                         device_kind="NVIDIA H200")})
+  assert (policy(elsewhere).cost, policy(elsewhere).cost_source) == (CostModel.neutral(), "neutral")
+  here = dataclasses.replace(draft, cost_models={"model": CostModel(0.3, 0.1, 0.6, **testing.measured_here())})
+  assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.3, 0.1, 0.6), "checkpoint")
+  calibration.store(target, draft, "model", CostModel(0.25, 0.0, 0.5, **testing.measured_here()))
+  assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.25, 0.0, 0.5), "calibrated")
+  stats = jspec.generate(target, [[1, 2]], draft=here, max_new_tokens=4).stats.to_dict()
+  assert stats["cost_model"] == {"source": "calibrated", "cost_ratio": 0.25, "verify_cost": 0.0,
+                                 "round_overhead": 0.5}
+  assert jspec.generate(target, [[1, 2]], max_new_tokens=4).stats.cost_model is None  # plain decoding
+
+
+def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys):
+  """A jspec directory pair: the CLI measures at batch 1 and 2, keeps the figures where generate finds them,
+  and with --write puts them in the draft's checkpoint; a run on neutral figures says how to calibrate."""
+  target, draft = testing.random_pair()
+  jspec.save(target, tmp_path / "target")
+  jspec.save(draft, tmp_path / "draft")
+  models = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
+  run = ["--prompt", "ab", "--max-new-tokens", "4", "--no-compile-cache", "--json", "--no-stream"]
+  assert cli.main([*models, *run]) == 0
+  captured = capsys.readouterr()
+  assert json.loads(captured.out)["stats"]["cost_model"]["source"] == "neutral"
+  assert f"python -m jspec.calibrate --target {tmp_path / 'target'} --draft {tmp_path / 'draft'}" in captured.err
+  assert calibrate.main([*models, "--batches", "2", "--repeats", "1", "--write", "--json"]) == 0
+  figures = json.loads(capsys.readouterr().out)
+  assert figures["drafter"] == "model" and figures["cost_ratio"] > 0 and set(figures["batches"]) == {"2"}
+  assert figures["backend"] == jax.default_backend()
+  assert checkpoint.read_cost_models(tmp_path / "draft")["model"].cost_ratio == figures["cost_ratio"]
+  assert cli.main([*models, *run]) == 0
+  captured = capsys.readouterr()
+  cost = json.loads(captured.out)["stats"]["cost_model"]
+  assert cost["source"] == "calibrated" and cost["cost_ratio"] == figures["cost_ratio"]
+  assert "jspec.calibrate" not in captured.err
+  for bad, message in [(["--batches", "x"], "--batches"), (["--no-draft"], "no cost model")]:
+    assert calibrate.main([*models, *bad]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_server_calibrates_at_start_up_once(monkeypatch):
+  from jspec.serve import cli as serve_cli
+  target, draft = testing.random_pair()
+  models = dict(draft=draft, spec=SpecConfig(drafter="model"), mesh=None)
+  measured, figures = [], CostModel(0.2, **testing.measured_here())
+  monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append(a[3]) or figures)
+  assert serve_cli.calibrate(target, models, 4)
+  assert measured == [[1, 4]] and calibration.stored(target, draft, "model") == figures
+  serve_cli.calibrate(target, models, 4)  # kept: not measured again
+  assert len(measured) == 1
+  serve_cli.calibrate(target, dict(models, spec=SpecConfig(drafter="model", adaptive=None)), 4)  # fixed K
+  assert len(measured) == 1
