@@ -72,7 +72,7 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                  lambda a, m, o: end_to_end.suite_defaults(m, a.max_new_tokens, a.repeats, a.prompts,
                                                            tuple(_ints(a.also_draft_lens)),
                                                            tuple(a.also_drafters.split(",")) if a.also_drafters
-                                                           else ())),
+                                                           else (), _cost_model(a.also_cost_model))),
     "adaptive": ("adaptive K and fallback against every fixed K",
                  lambda a, m, o: end_to_end.suite_adaptive(*parts.shipped_pair(m, _kinds(a)[0]), _kinds(a)[0],
                                                            a.max_new_tokens, a.repeats, a.prompts)),
@@ -99,6 +99,12 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
 }
 
 
+def _cost_model(path: str | None):
+  """The default drafter's entry of a cost_model.json."""
+  from jspec.settings import CostModel
+  return None if path is None else CostModel(**json.loads(pathlib.Path(path).read_text())[shipped.DEFAULT_DRAFTER])
+
+
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="python -m jspec.bench", description=__doc__.split("\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -122,6 +128,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
   ap.add_argument("--also-draft-lens", default="", help="--suite defaults: also time these longest drafts")
   ap.add_argument("--also-drafters", default="", help="--suite defaults: also time these drafters")
+  ap.add_argument("--also-cost-model", default=None, metavar="FILE",
+                  help="--suite defaults: also time the default drafter with this cost_model.json's figures")
   ap.add_argument("--tree-depth", type=int, default=4, help="--suite tree: the trees' depth")
   ap.add_argument("--tree-shapes", default="2x8,4x16,4x32", help="--suite tree: top-k x nodes of each tree")
   ap.add_argument("--prompt-sets", default="code",

@@ -2,6 +2,7 @@
 cost, and continuous batching against static batches."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -9,11 +10,11 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import pairing, shipped
+from jspec import pairing, shipped, testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
 from jspec.bench.timing import interleaved
-from jspec.settings import AdaptiveConfig, SpecConfig
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 
 def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
@@ -61,20 +62,24 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
 
 
 def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
-                   draft_lens: tuple[int, ...] = (), other_drafters: tuple[str, ...] = ()) -> dict:
+                   draft_lens: tuple[int, ...] = (), other_drafters: tuple[str, ...] = (),
+                   other_cost: CostModel | None = None) -> dict:
   """What a user gets: `jspec.generate` with every default (the default drafter and its shipped weights,
   adaptive speculation with the checkpoint's cost model), greedy, against plain decoding, interleaved per
   batch of prompts: each held-out code and English prose prompt alone, and held-out code in batches of 4.
   Every row decodes `max_new` tokens (EOS ignored), so both sides do the same work. Each of `draft_lens`
   is also timed as the longest draft in the same interleaving (what another default `draft_len` would give),
-  and each of `other_drafters` with its shipped weights and otherwise default settings (another default
-  drafter)."""
+  each of `other_drafters` with its shipped weights and otherwise default settings (another default
+  drafter), and `other_cost` as the default drafter's cost model instead of the one it finds (`cost`)."""
   target, draft = shipped_pair(pair, shipped.DEFAULT_DRAFTER)  # the CLI's default drafter
   kw = dict(max_new_tokens=max_new, ignore_eos=True)
   variants = {"spec": dict(draft=draft), **{f"spec_k{k}": dict(draft=draft, draft_len=k) for k in draft_lens},
               **{f"spec_{kind}": dict(draft=shipped_pair(pair, kind)[1], spec=SpecConfig(drafter=kind))
                  for kind in other_drafters}}
-  others = [f"k{k}" for k in draft_lens] + list(other_drafters)
+  if other_cost is not None:  # as if measured here, so the decoder takes it
+    other_cost = dataclasses.replace(other_cost, target_params=None, **testing.measured_here())
+    variants["spec_cost"] = dict(draft=dataclasses.replace(draft, cost_models={shipped.DEFAULT_DRAFTER: other_cost}))
+  others = [f"k{k}" for k in draft_lens] + list(other_drafters) + ["cost"] * (other_cost is not None)
   out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
   for name, batch in (("code", 1), ("prose", 1), ("code", 4)):
     prompts = PROMPT_SETS[name](count)
