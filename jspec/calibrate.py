@@ -49,7 +49,7 @@ def batches(text: str) -> list[int]:
 def calibrate(args: argparse.Namespace) -> tuple[dict, str]:
   """Measures, stores, and returns (the figures as JSON, where they were stored)."""
   import jspec
-  from jspec import calibration, checkpoint, pairing
+  from jspec import calibration, checkpoint, costs, pairing
   from jspec.settings import MAX_DRAFT_LEN
 
   sizes = batches(args.batches)
@@ -62,7 +62,7 @@ def calibrate(args: argparse.Namespace) -> tuple[dict, str]:
   kind = kind or pairing.drafter_kind(draft)
   cli.log.info("measuring the %s drafter's costs at batch %s", kind, ", ".join(map(str, sizes)))
   cost = calibration.measure(target, draft, kind, sizes, args.repeats, args.draft_len)
-  where = str(calibration.store(target, draft, kind, cost))
+  where = str(costs.store(target, draft, kind, cost))
   if args.write:
     path = pathlib_of(args, draft, kind)
     models = checkpoint.read_cost_models(path)

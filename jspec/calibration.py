@@ -1,27 +1,17 @@
-"""Calibration: the cost model (c, v, o) of a target and drafter measured on the devices at hand, kept in the
-user's cache, and the one the decoder uses.
+"""Calibration: the cost model (c, v, o) of a target and drafter measured on the devices at hand
+(`jspec.costs` keeps it and picks the one a decoder uses).
 
-c: one proposal (K = 1) over one target step; v: what each extra verified token adds to a target forward;
-o: what a speculative round of K drafts costs beyond 1 + K (c + v) target steps (`jspec.adaptive`). Each is
-a ratio of interleaved medians of jitted loops of 32 steps over the same decode state, at each batch asked.
-
-A calibration is keyed by what its figures depend on: both models' shapes (a digest of their configs and
-their parameters' shapes and dtypes), the drafter kind, the backend and device kind, the dtype, the mesh
-shape. `cost_model` picks, in order: a calibration that matches, the checkpoint's figures when they were
-measured on this backend and device kind, neutral figures (`CostModel.neutral`).
+c: what one more drafted token costs, over one target step; v: what each extra verified token adds to a
+target forward; o: what a speculative round of K drafts costs beyond 1 + K (c + v) target steps (the
+drafter's per-round work included; `jspec.adaptive`). Each is a ratio of interleaved medians of jitted
+loops of 32 steps over the same decode state, at each batch asked.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
-import math
-import os
-import pathlib
 import statistics
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +19,11 @@ import numpy as np
 from jax import lax
 
 from jspec import cache as kvcache
-from jspec import decode, model
+from jspec import costs, decode, model, pairing
 from jspec.config import ModelConfig, num_params
 from jspec.request import make_requests
-from jspec.settings import CostModel, SpecConfig, user_cache_dir
+from jspec.settings import CostModel, SpecConfig
 
-SOURCES = ("calibrated", "checkpoint", "neutral")
 STEPS = 32  # steps per timed loop
 USED = 200  # tokens in the cache while timing
 
@@ -93,7 +82,6 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
 def started(target, draft, kind: str, draft_len: int, batch: int, used: int = USED, max_new: int = 10 ** 6):
   """A decoder and its state after prefilling `batch` random prompts of `used` tokens, greedy, in a cache of
   512 slots."""
-  from jspec import pairing  # the pairing of models sits above the cost models it reads
   decoder = pairing.make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
   prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)).tolist()
   requests = make_requests(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
@@ -101,23 +89,28 @@ def started(target, draft, kind: str, draft_len: int, batch: int, used: int = US
 
 
 def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = USED, batch: int = 1) -> float:
-  """c for any drafter: one proposal (K = 1) over one target step, `batch` rows of `used` tokens.
+  """c for any drafter: what a proposal of two tokens costs beyond one of one token, over one target step,
+  `batch` rows of `used` tokens. What a proposal costs whatever its length (a draft model's catch-up of
+  the tokens it trails by) is per round: o holds it.
 
-  Both run 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
+  Each runs 32 times in a jitted loop whose inputs move with the loop index, so nothing is hoisted.
   """
-  decoder, state = started(target, draft, kind, 1, batch, used)
+  decoder, state = started(target, draft, kind, 2, batch, used)
   tparams, lens = decoder.target_params, state.seq_lens_B
-  keys = jnp.zeros((1, batch, 2), jnp.uint32)
 
-  # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
-  @functools.partial(jax.jit, donate_argnums=0)
-  def propose_loop(dstate):
-    def body(i, carry):
-      acc, dstate = carry
-      dstate, proposal = decoder.drafter.propose(decoder.weights, dstate,
-                                                 state.context.replace(seq_lens_B=lens - i % 2), keys)
-      return acc + proposal.logits_BxKxV[0, 0, 0], dstate
-    return lax.fori_loop(0, STEPS, body, (jnp.zeros(()), dstate))
+  def propose_loop(k: int):
+    keys = jnp.zeros((k, batch, 2), jnp.uint32)
+
+    # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop(dstate):
+      def body(i, carry):
+        acc, dstate = carry
+        dstate, proposal = decoder.drafter.propose(decoder.weights, dstate,
+                                                   state.context.replace(seq_lens_B=lens - i % 2), keys)
+        return acc + proposal.logits_BxKxV[0, -1, 0], dstate
+      return lax.fori_loop(0, STEPS, body, (jnp.zeros(()), dstate))
+    return loop
 
   @functools.partial(jax.jit, donate_argnums=0)
   def target_loop(cache):
@@ -128,15 +121,16 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = USED,
       return acc + logits[0, 0, 0], cache
     return lax.fori_loop(0, STEPS, body, (jnp.zeros(()), cache))
 
-  carried = jax.tree.map(jnp.copy, {"draft": state.drafter_state, "target": state.target_cache})  # to donate
+  loops = {"one": propose_loop(1), "two": propose_loop(2), "target": target_loop}
+  carried = {name: jax.tree.map(jnp.copy, state.target_cache if name == "target" else state.drafter_state)
+             for name in loops}  # each its own, to donate
 
-  def run(name, fn):
-    acc, carried[name] = fn(carried[name])
+  def run(name):
+    acc, carried[name] = loops[name](carried[name])
     jax.block_until_ready(acc)
 
-  t = interleaved({"draft": lambda: run("draft", propose_loop), "target": lambda: run("target", target_loop)},
-                  repeats)
-  return t["draft"] / t["target"]
+  t = interleaved({name: functools.partial(run, name) for name in loops}, repeats)
+  return max(t["two"] - t["one"], 0.0) / t["target"]
 
 
 def verify_ratio(target, batch: int, k: int, repeats: int, used: int = USED) -> float:
@@ -165,11 +159,6 @@ def round_ratio(target, draft, kind: str, draft_len: int, repeats: int, batch: i
   return t["round"] / t["step"]
 
 
-def device_kind() -> tuple[str, str]:
-  """(backend, device kind) of the default devices."""
-  return jax.default_backend(), jax.devices()[0].device_kind
-
-
 def measure(target, draft, kind: str, batches: list[int] | tuple[int, ...] = (1,), repeats: int = 5,
             draft_len: int = 4) -> CostModel:
   """The cost model of `target` with this drafter on the default devices: batch 1's figures, the others as
@@ -180,76 +169,9 @@ def measure(target, draft, kind: str, batches: list[int] | tuple[int, ...] = (1,
     v = (verify_ratio(target, b, draft_len, repeats) - 1) / draft_len
     o = round_ratio(target, draft, kind, draft_len, repeats, batch=b) - 1 - draft_len * (c + v)
     measured[b] = CostModel(round(c, 4), round(max(v, 0.0), 4), round(max(o, 0.0), 4))
-  backend, kind_of_device = device_kind()
+  backend, kind_of_device = costs.device_kind()
   return dataclasses.replace(measured[1], target_params=num_params(target.config), backend=backend,
                              device_kind=kind_of_device,
                              batches=tuple((b, m) for b, m in measured.items() if b != 1))
 
-
-def identity(m) -> str:
-  """A digest of a model's or heads' shape: its config (and drafter metadata), its parameters' shapes and
-  dtypes. The weights' values do not change what a step costs."""
-  drafter = getattr(m, "drafter", None)
-  config = (m.config if drafter is None else drafter.config)
-  described = {"config": dataclasses.asdict(config),
-               "drafter": None if drafter is None else {"kind": drafter.kind, **drafter.metadata()},
-               "params": [(jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
-                          for p, x in jax.tree_util.tree_flatten_with_path(m.params)[0]]}
-  return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def key(target, draft, kind: str, mesh_shape: tuple[int, ...] = (1, 1)) -> dict[str, Any]:
-  """What a calibration's figures depend on."""
-  backend, kind_of_device = device_kind()
-  return {"target": identity(target), "draft": None if draft is None else identity(draft), "drafter": kind,
-          "backend": backend, "device_kind": kind_of_device, "dtype": target.config.dtype,
-          "mesh": list(mesh_shape)}
-
-
-def cache_dir() -> pathlib.Path:
-  """$JSPEC_CALIBRATION_DIR, else jspec/calibration under the user's cache directory."""
-  return pathlib.Path(os.environ.get("JSPEC_CALIBRATION_DIR") or user_cache_dir("calibration"))
-
-
-def _file(described: dict) -> pathlib.Path:
-  digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
-  return cache_dir() / f"{described['drafter']}-{digest}.json"
-
-
-def store(target, draft, kind: str, cost: CostModel, mesh_shape: tuple[int, ...] = (1, 1)) -> pathlib.Path:
-  """Keeps a calibration in the user's cache; returns its file."""
-  described = key(target, draft, kind, mesh_shape)
-  path = _file(described)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(f".{os.getpid()}.tmp")
-  tmp.write_text(json.dumps({"key": described, "cost_model": cost.to_json()}, indent=2) + "\n")
-  tmp.replace(path)  # whole or not at all, for a reader in another process
-  return path
-
-
-def stored(target, draft, kind: str, mesh_shape: tuple[int, ...] = (1, 1)) -> CostModel | None:
-  """The calibration kept for exactly these models, drafter, devices, dtype and mesh, if any."""
-  described = key(target, draft, kind, mesh_shape)
-  try:
-    entry = json.loads(_file(described).read_text())
-    return CostModel(**entry["cost_model"]) if entry.get("key") == described else None
-  except (OSError, ValueError, TypeError, KeyError):
-    return None  # none, or unreadable: measured again when asked
-
-
-def cost_model(target, draft, kind: str, needs_weights: bool,
-               mesh_shape: tuple[int, ...] = (1, 1)) -> tuple[CostModel, str]:
-  """The cost model the decoder uses, and where it comes from (one of `SOURCES`). The checkpoint's tree
-  shape (`CostModel.tree_top_k`, `tree_nodes`) stays whichever figures are used."""
-  checkpoint = (target if draft is None else draft).cost_models.get(kind)
-  if checkpoint is not None and checkpoint.target_params not in (None, num_params(target.config)):
-    checkpoint = None  # measured with another target
-  tree = {"tree_top_k": checkpoint and checkpoint.tree_top_k, "tree_nodes": checkpoint and checkpoint.tree_nodes}
-  calibrated = stored(target, draft, kind, mesh_shape)
-  if calibrated is not None:
-    return dataclasses.replace(calibrated, **tree), "calibrated"
-  if checkpoint is not None and (checkpoint.backend, checkpoint.device_kind) == device_kind() \
-      and math.prod(mesh_shape) == 1:
-    return checkpoint, "checkpoint"
-  return dataclasses.replace(CostModel.neutral(needs_weights), **tree), "neutral"
 

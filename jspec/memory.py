@@ -99,12 +99,14 @@ def shaped_decoder(target, draft, spec, batch: int) -> Decoder:
 def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill_rows: int | None = None) -> int:
   """The activations' peak, without compiling: per row, ten fp32 vocabulary rows for each token a round
   verifies (logits, probabilities, the draft's q, their residuals), and per row prefilled together (default
-  all), eight fp32 model-width rows per prompt token (the prefill's residual stream and the features head
-  drafters keep). It bounds what `compiled_workspace` measures for the shipped pairs (tests/test_memory.py)."""
+  all), per prompt token, eight fp32 model-width rows (the prefill's residual stream and the features head
+  drafters keep) and two fp32 rows of attention scores over a cache block per head. It bounds what
+  `compiled_workspace` measures (tests/test_memory.py)."""
   config = decoder.target_config
   verified = decoder.headroom + 1
   prefill_rows = batch if prefill_rows is None else prefill_rows
-  return 4 * (batch * 10 * verified * config.vocab_size + prefill_rows * 8 * prompt_width * config.dim)
+  per_prompt_token = 8 * config.dim + 2 * config.n_heads * kvcache.BLOCK_SIZE
+  return 4 * (batch * 10 * verified * config.vocab_size + prefill_rows * prompt_width * per_prompt_token)
 
 
 def _one_layer(decoder: Decoder) -> Decoder:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jspec import calibration, model, registry
+from jspec import costs, model, registry
 from jspec.decode import Decoder
 from jspec.drafters import Drafter, Heads
 from jspec.model import Model
@@ -21,7 +21,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
   """The decoder for a batch of `batch` rows. Plain decoding when neither a draft nor `spec.drafter` is
   given, or, without adaptive K, when the batch reaches `spec.disable_at_batch_size` (with it, the
   policy steps aside per round, from the rows running). Mismatches are one-line ValueErrors. The adaptive
-  policy's cost model is the one `jspec.calibration.cost_model` picks for these models on a mesh of
+  policy's cost model is the one `jspec.costs.cost_model` picks for these models on a mesh of
   `mesh_shape`.
 
   The target's LM head is made explicit here (`model.with_head`), once, so every program and every step
@@ -43,7 +43,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     if kind != drafter_kind(draft):
       raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
     params = draft.params
-  measured, source = calibration.cost_model(target, draft, kind, cls.needs_weights, mesh_shape)
+  measured, source = costs.cost_model(target, draft, kind, cls.needs_weights, mesh_shape)
   drafter = cls.for_pair(target, draft, spec)
   disable_at = spec.disable_at_batch_size
   if disable_at is not None and batch >= disable_at and (spec.adaptive is None or spec.tree is not None):

@@ -149,7 +149,7 @@ class AdaptiveConfig:
   initial_draft_len: int = 4  # K until any row has data
   costs_by_rows: tuple[tuple[float, float, float], ...] = ()  # (c, v, o) for batches of 1, 2, ... rows
   disable_at_rows: int | None = None
-  cost_source: str | None = None  # where the cost model came from (`jspec.calibration.SOURCES`)
+  cost_source: str | None = None  # where the cost model came from (`jspec.costs.SOURCES`)
 
   def __post_init__(self):
     _check(self.disable_at_rows is None or (_is_int(self.disable_at_rows) and self.disable_at_rows >= 1),

@@ -1,4 +1,5 @@
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -39,3 +40,15 @@ def _release_executables():
   mappings alive, and a single process compiling a few hundred of them crashed inside the compiler."""
   yield
   engine.release_executables()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_jspec_log():
+  """The CLIs' `main` set up jspec's status lines on the stderr a test captured; the next test starts without
+  them."""
+  log = logging.getLogger("jspec")
+  yield
+  for handler in list(log.handlers):
+    log.removeHandler(handler)
+  log.setLevel(logging.NOTSET)
+  log.propagate = True

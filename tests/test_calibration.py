@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import jspec
-from jspec import calibrate, calibration, checkpoint, cli, pairing, shipped, testing
+from jspec import calibrate, calibration, checkpoint, cli, costs, pairing, shipped, testing
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 
@@ -41,23 +41,23 @@ def test_calibrated_c_is_the_ratio_of_the_plain_decoding_steps():
 def test_a_calibration_is_kept_for_exactly_its_models_and_devices(tmp_path):
   target, draft = testing.random_pair()
   measured = CostModel(0.2, 0.05, 0.4, batches={4: CostModel(0.3, 0.1, 0.5)}, **testing.measured_here())
-  where = calibration.store(target, draft, "model", measured)
+  where = costs.store(target, draft, "model", measured)
   assert where.parent == tmp_path / "calibration"
-  assert calibration.stored(target, draft, "model") == measured
-  assert calibration.cost_model(target, draft, "model", True) == (measured, "calibrated")
+  assert costs.stored(target, draft, "model") == measured
+  assert costs.cost_model(target, draft, "model", True) == (measured, "calibrated")
   # Anything its figures depend on, changed: another shape, dtype, drafter kind or mesh.
   wider = testing.random_model(dataclasses.replace(testing.NO_EOS, mlp_dim=256))
-  assert calibration.stored(wider, draft, "model") is None
-  assert calibration.stored(jspec.Model(dataclasses.replace(target.config, dtype="bfloat16"),
+  assert costs.stored(wider, draft, "model") is None
+  assert costs.stored(jspec.Model(dataclasses.replace(target.config, dtype="bfloat16"),
                                         jax.tree.map(lambda x: x.astype("bfloat16"), target.params), None),
                             draft, "model") is None
-  assert calibration.stored(target, None, "ngram") is None
-  assert calibration.stored(target, draft, "model", (2, 1)) is None
+  assert costs.stored(target, None, "ngram") is None
+  assert costs.stored(target, draft, "model", (2, 1)) is None
   # The weights' values are not part of it: retrained weights of the same shapes keep the calibration.
-  assert calibration.stored(target, testing.perturbed(draft, 0.1), "model") == measured
+  assert costs.stored(target, testing.perturbed(draft, 0.1), "model") == measured
   # A corrupt file is as good as none.
   where.write_text("{not json")
-  assert calibration.stored(target, draft, "model") is None
+  assert costs.stored(target, draft, "model") is None
 
 
 def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_says_which(tmp_path):
@@ -69,7 +69,7 @@ def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_s
   assert (policy(elsewhere).cost, policy(elsewhere).cost_source) == (CostModel.neutral(), "neutral")
   here = dataclasses.replace(draft, cost_models={"model": CostModel(0.3, 0.1, 0.6, **testing.measured_here())})
   assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.3, 0.1, 0.6), "checkpoint")
-  calibration.store(target, draft, "model", CostModel(0.25, 0.0, 0.5, **testing.measured_here()))
+  costs.store(target, draft, "model", CostModel(0.25, 0.0, 0.5, **testing.measured_here()))
   assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.25, 0.0, 0.5), "calibrated")
   stats = jspec.generate(target, [[1, 2]], draft=here, max_new_tokens=4).stats.to_dict()
   assert stats["cost_model"] == {"source": "calibrated", "cost_ratio": 0.25, "verify_cost": 0.0,
@@ -111,7 +111,7 @@ def test_the_server_calibrates_at_start_up_once(monkeypatch):
   measured, figures = [], CostModel(0.2, **testing.measured_here())
   monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append(a[3]) or figures)
   assert serve_cli.calibrate(target, models, 4)
-  assert measured == [[1, 4]] and calibration.stored(target, draft, "model") == figures
+  assert measured == [[1, 4]] and costs.stored(target, draft, "model") == figures
   serve_cli.calibrate(target, models, 4)  # kept: not measured again
   assert len(measured) == 1
   serve_cli.calibrate(target, dict(models, spec=SpecConfig(drafter="model", adaptive=None)), 4)  # fixed K
