@@ -43,7 +43,8 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     if kind != drafter_kind(draft):
       raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
     params = draft.params
-  measured, source = costs.cost_model(target, draft, kind, cls.needs_weights, mesh_shape)
+  measured, source = (costs.cost_model(target, draft, kind, cls.needs_weights, mesh_shape)
+                      if spec.adaptive is not None or spec.tree is not None else (None, None))  # what reads it
   drafter = cls.for_pair(target, draft, spec)
   disable_at = spec.disable_at_batch_size
   if disable_at is not None and batch >= disable_at and (spec.adaptive is None or spec.tree is not None):
