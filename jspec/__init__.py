@@ -20,6 +20,8 @@ adds one (K1 = K + 1, S1 = S + 1).
   L  tree depth (a path holds L1 = L + 1 entries)   A  tree entries fed so far in a round
   G  children per tree node (the tree's top-k; Medusa's ranks)
   Z  candidate nodes a dynamic tree grows before it keeps M
+  U  a constraint automaton's states     Y  its token classes (tokens alike in every state)
+  I  entries whose automaton states are looked up at once (a path, a tree chunk)
 """
 from __future__ import annotations
 
@@ -38,15 +40,17 @@ _EXPORTS = {
     "SamplingConfig": "jspec.settings", "SpecConfig": "jspec.settings", "AdaptiveConfig": "jspec.settings",
     "CostModel": "jspec.settings", "TreeConfig": "jspec.settings", "Stats": "jspec.stats",
     "make_mesh": "jspec.sharding",
+    "Regex": "jspec.constraints", "JsonSchema": "jspec.constraints", "Choice": "jspec.constraints",
 }
-__all__ = ["AdaptiveConfig", "CostModel", "Delta", "Engine", "Heads", "Model", "ModelConfig", "Request",
-           "RequestStats", "Result", "SamplingConfig", "SpecConfig", "Stats", "Stream", "TreeConfig", "generate",
-           "load", "make_engine", "make_mesh", "save", "stream"]
+__all__ = ["AdaptiveConfig", "Choice", "CostModel", "Delta", "Engine", "Heads", "JsonSchema", "Model", "ModelConfig",
+           "Regex", "Request", "RequestStats", "Result", "SamplingConfig", "SpecConfig", "Stats", "Stream",
+           "TreeConfig", "generate", "load", "make_engine", "make_mesh", "save", "stream"]
 
 if TYPE_CHECKING:
   from jspec.api import Result, generate, make_engine, stream
   from jspec.checkpoint import save
   from jspec.config import ModelConfig
+  from jspec.constraints import Choice, JsonSchema, Regex
   from jspec.drafters import Heads
   from jspec.loading import load
   from jspec.model import Model

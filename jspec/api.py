@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from jspec import decode, engine, memory, sharding
+from jspec import constraints, decode, engine, memory, sharding
+from jspec.constraints import Constraint
 from jspec.drafters import Heads
 from jspec.model import Model
 from jspec.pairing import make_decoder
@@ -40,6 +41,19 @@ def _sampling(sampling, temperature, top_k, top_p) -> SamplingConfig | list[Samp
   if not all(isinstance(s, SamplingConfig) for s in sampling):
     raise ValueError("sampling must be a SamplingConfig or a list of them, one per prompt")
   return list(sampling)
+
+
+Constraints = Constraint | Sequence[Constraint | None] | None
+
+
+def _constraint_tables(target: Model, constraint: Constraints, rows: int,
+                       ignore_eos: bool) -> list[constraints.Tables | None] | None:
+  """Each prompt's compiled constraint (None: no prompt is constrained)."""
+  if constraint is not None and ignore_eos:
+    raise ValueError("ignore_eos cannot be combined with a constraint: a constrained text ends at its EOS")
+  vocabulary = None if constraint is None else constraints.Vocabulary.of(
+      target.tokenizer, target.config.stop_ids, target.config.vocab_size)
+  return constraints.compile_rows(constraint, vocabulary, rows)
 
 
 def _mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:
@@ -80,7 +94,8 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
              max_new_tokens: int = 64, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, sampling: Samplings = None, draft_len: int | None = None,
              seed: int | Sequence[int] = 0, spec: SpecConfig | None = None, chat: bool = False,
-             ignore_eos: bool = False, mesh: Mesh | None = None, shard_draft: bool = True) -> Result:
+             ignore_eos: bool = False, mesh: Mesh | None = None, shard_draft: bool = True,
+             constraint: Constraints = None) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft `Model` or trained Medusa/EAGLE `Heads` (`jspec.load` returns either); with
@@ -93,8 +108,12 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   Row b samples with `seed + b` (or `seed[b]` when a list is given), so a row is reproducible alone (with a
   fixed K, `SpecConfig(adaptive=None)`: adaptive K is chosen for the whole batch). A row stops at any of
   the target's EOS tokens; `ignore_eos=True` decodes `max_new_tokens` for every row, past any EOS (as
-  vLLM's benchmarks do), without compiling anything new. `chat=True` renders each text prompt as one user
-  turn of the target's chat template, with the assistant's turn opened after it.
+  vLLM's benchmarks do), without compiling anything new. `constraint` (a `jspec.Regex`, `jspec.JsonSchema`
+  or `jspec.Choice`, or one per prompt, None for a free one) restricts what a row outputs: at every step
+  the target's distribution is masked to the tokens the constraint allows and renormalised (before top-k
+  and top-p), drafts are drawn from the drafter's masked distribution, and the text ends with EOS when the
+  constraint is complete; tables of one size bucket share an executable. `chat=True` renders each text
+  prompt as one user turn of the target's chat template, with the assistant's turn opened after it.
 
   With a `mesh` (`jspec.make_mesh("data=D,model=M")`), parameters and caches are sharded by the rules in
   `jspec.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs as one
@@ -103,7 +122,9 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   sampling = _sampling(sampling, temperature, top_k, top_p)
   prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, None, sampling,
                                  mesh)
-  requests = make_requests(decoder, prompt_ids, max_new_tokens, sampling=sampling, seed=seed, ignore_eos=ignore_eos)
+  tables = _constraint_tables(target, constraint, len(prompt_ids), ignore_eos)
+  requests = make_requests(decoder, prompt_ids, max_new_tokens, sampling=sampling, seed=seed, ignore_eos=ignore_eos,
+                           constraints=tables)
   width = requests.prompts_BxP.shape[1]
   memory.check(decoder, len(prompt_ids), width + max_new_tokens, width, mesh, shard_draft)
   if mesh is not None:
@@ -127,7 +148,8 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft
            top_p: float | None = None, sampling: Samplings = None, draft_len: int | None = None,
            seed: int | Sequence[int] = 0, spec: SpecConfig | None = None, chat: bool = False,
            ignore_eos: bool = False, mesh: Mesh | None = None, shard_draft: bool = True,
-           batch_size: int | None = None, segment_rounds: int = SEGMENT_ROUNDS) -> Stream:
+           batch_size: int | None = None, segment_rounds: int = SEGMENT_ROUNDS,
+           constraint: Constraints = None) -> Stream:
   """Decodes like `generate`, handing out each prompt's text as it is accepted: iterate over the returned
   `Stream` for `Delta(index, text, token_ids, finished, stats)`s (a prompt's last delta has `finished` and
   its `RequestStats`); `stream.stats` holds the totals afterwards.
@@ -136,17 +158,19 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft
   (slots), and when a prompt finishes the next one is prefilled into its slot. Prompt i samples with
   `seed + i` (or `seed[i]`) whatever its slot, so with a fixed K its tokens are those it gets decoded alone.
   The loop returns to the host every `segment_rounds` rounds, and whenever a prompt finishes while others
-  wait. On a mesh, continuous batching needs a cache laid out by batch row (no kv-head split).
+  wait. On a mesh, continuous batching needs a cache laid out by batch row (no kv-head split). `constraint`
+  is as for `generate`.
   """
   sampling = _sampling(sampling, temperature, top_k, top_p)
   prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size,
                                  sampling, mesh)
   slots = min(batch_size or len(prompt_ids), len(prompt_ids))
+  _constraint_tables(target, constraint, len(prompt_ids), ignore_eos)  # refuses a bad one before anything runs
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
   return Stream(decoder, target.tokenizer, prompt_ids, slots=slots, max_new_tokens=max_new_tokens,
                 sampling=sampling, seeds=seed_array(seed, len(prompt_ids)).tolist(), ignore_eos=ignore_eos,
-                segment_rounds=segment_rounds)
+                segment_rounds=segment_rounds, constraint=constraint)
 
 
 def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: SpecConfig | None = None,

@@ -23,6 +23,7 @@ from jax import lax
 
 from jspec import adaptive, model, request, tree
 from jspec import cache as kvcache
+from jspec.automaton import Automata
 from jspec.config import ModelConfig
 from jspec.control import run_if, run_switch
 from jspec.drafters.base import DraftContext, Drafter, DrafterState, DraftWeights, Proposal, TreeProposal
@@ -95,6 +96,7 @@ class DecodeState:
   stats: DecodeStats
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (none: no EOS, or EOS ignored)
   speculate_B: jax.Array  # bool: row b's drafts may be accepted (else it decodes plainly in every round)
+  constraint: Automata | None = None  # each row's constraint and its state (None: no row is constrained)
 
   # The unsuffixed names of the previous release, read-only, for one release.
   tokens = property(lambda self: self.tokens_BxT)
@@ -108,7 +110,7 @@ class DecodeState:
   @property
   def context(self) -> DraftContext:
     """What a drafter reads of the rows."""
-    return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling)
+    return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling, self.constraint)
 
 
 # Aliases of one release for names that moved to `jspec.request` (`make_requests` builds both parts).
@@ -136,7 +138,8 @@ def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None
       drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
       stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
                               spec.trace_rounds if drafter is not None else 0),
-      stop_BxE=requests.stop_BxE.astype(jnp.int32), speculate_B=requests.speculate_B.astype(bool))
+      stop_BxE=requests.stop_BxE.astype(jnp.int32), speculate_B=requests.speculate_B.astype(bool),
+      constraint=requests.constraint)
   # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it).
   final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
@@ -196,7 +199,9 @@ def _commit(state: DecodeState, candidates_BxS: jax.Array,
   tokens = state.tokens_BxT.at[rows, cols].set(candidates_BxS, mode="drop")
   hit_eos = is_eos.any(1) & (upto_eos <= num_new)
   done = state.done_B | hit_eos | (num_new >= room)
-  return state.replace(tokens_BxT=tokens, seq_lens_B=state.seq_lens_B + num_new, done_B=done), num_new
+  constraint = None if state.constraint is None else state.constraint.commit(candidates_BxS, num_new)
+  return state.replace(tokens_BxT=tokens, seq_lens_B=state.seq_lens_B + num_new, done_B=done,
+                       constraint=constraint), num_new
 
 
 def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> DecodeState:
@@ -204,6 +209,7 @@ def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> D
   n = state.seq_lens_B
   logits, hidden, cache = model.forward(decoder.target_params, _gather(state.tokens_BxT, n[:, None] - 1),
                                         n[:, None] - 1, state.target_cache, decoder.target_config)
+  logits = _constrain(state, logits, None if state.constraint is None else state.constraint.state_B[:, None])
   token = next_token(keys_Bx2, logits[:, 0], state.sampling)
   active = ~state.done_B
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
@@ -212,6 +218,12 @@ def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> D
   if decoder.drafter is not None:
     state = _observe(decoder, state, hidden, n)
   return state
+
+
+def _constrain(state: DecodeState, logits_BxSxV: jax.Array, states_BxS: jax.Array | None) -> jax.Array:
+  """The target's logits at S chunk entries, masked by each entry's automaton state when rows are
+  constrained: every rule downstream (argmax, sampling, rejection) then works on the constrained target."""
+  return logits_BxSxV if state.constraint is None else state.constraint.mask(logits_BxSxV, states_BxS)
 
 
 def _observe(decoder: Decoder, state: DecodeState, hidden_BxSxD: jax.Array, n_B: jax.Array) -> DecodeState:
@@ -260,6 +272,8 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
   positions_BxK1 = n[:, None] - 1 + jnp.arange(draft_len + 1)
   logits_BxK1xV, hidden, target_cache = model.forward(decoder.target_params, chunk_BxK1, positions_BxK1,
                                                       state.target_cache, decoder.target_config)
+  if state.constraint is not None:
+    logits_BxK1xV = _constrain(state, logits_BxK1xV, state.constraint.path_states(draft_BxK))
   if decoder.spec.typical_acceptance:
     n_accepted, token = verify_typical(keys_Bx2, draft_BxK, probabilities(logits_BxK1xV, state.sampling))
   else:  # q and p go through the same transform; an all-greedy batch needs only argmaxes.
@@ -292,6 +306,9 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
   logits_BxM1xV, hidden, target_cache = model.forward(
       decoder.target_params, chunk_BxM1, n[:, None] - 1 + tree.depths(mask_BxM1xM1), state.target_cache,
       decoder.target_config, mask_BxM1xM1)
+  if state.constraint is not None:
+    states_BxM1 = state.constraint.tree_states(proposal.tokens_BxM, proposal.parents_BxM, depth)
+    logits_BxM1xV = _constrain(state, logits_BxM1xV, states_BxM1)
   q_BxM1xV = None if proposal.logits_BxM1xV is None else probabilities(proposal.logits_BxM1xV, state.sampling)
   path_BxL1, n_accepted, token = lax.cond(
       is_greedy(state.sampling),
@@ -399,7 +416,9 @@ def run_rows(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int |
 def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, int] | None]:
   """`_row_blocks` for a running state: requests of its shapes."""
   capacity, stop_width = state.tokens_BxT.shape[1], state.stop_BxE.shape[1]
-  requests = request.make_requests(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width)
+  shape = None if state.constraint is None else state.constraint.bucket
+  requests = request.make_requests(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width,
+                                   constraint_shape=shape)
   return _row_blocks(decoder, requests, capacity)
 
 

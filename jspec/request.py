@@ -15,7 +15,10 @@ import flax.struct
 import jax
 import numpy as np
 
+from jspec import automaton
 from jspec import cache as kvcache
+from jspec.automaton import Automata
+from jspec.constraints import Tables
 from jspec.sampling import SamplingParams, sampling_arrays
 from jspec.settings import SamplingConfig
 
@@ -37,6 +40,7 @@ class Requests:
   seeds_B: jax.Array  # uint32: row b's PRNG seed
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (see `stop_table`)
   speculate_B: jax.Array  # bool: row b may accept drafts (False: it decodes plainly, in speculative rounds)
+  constraint: Automata | None = None  # each row's constraint automaton (None: no row is constrained)
   capacity: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
@@ -105,14 +109,19 @@ def make_requests(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new
                   seed: int | Sequence[int] = 0, ignore_eos: bool = False,
                   stop_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                   width: int | None = None, capacity_slots: int | None = None, stop_width: int | None = None,
-                  speculate: bool | Sequence[bool] = True) -> Requests:
+                  speculate: bool | Sequence[bool] = True,
+                  constraints: Sequence[Tables | None] | None = None,
+                  constraint_shape: tuple[int, int] | None = None) -> Requests:
   """The requests for `prompt_ids` (token-id lists), checked against `decoder` (`check_prompts`).
 
   Prompts are right-padded to their bucket (`prompt_bucket`, or `width`); the capacity is what the widest
   needs (`capacity`), or `capacity_slots` (a running batch's, for rows inserted into it). Rows stop at the
   target's EOS tokens, or at `stop_ids` (one list, or one per row), or at none with `ignore_eos`; the stop
   table is `stop_width` wide when given (a running batch's, for inserted rows). `speculate` (one value, or
-  one per row) False makes a row decode plainly."""
+  one per row) False makes a row decode plainly. `constraints` (compiled `jspec.constraints` tables, or None
+  for a free row) constrain what each row outputs, in automata of `constraint_shape` (states, classes; a
+  running batch's, for inserted rows; default: the smallest bucket that holds them); with neither, no row
+  is constrained and the loop has no automata."""
   check_prompts(decoder, prompt_ids, max_new_tokens)
   batch, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
   width = width or prompt_bucket(longest)
@@ -123,8 +132,15 @@ def make_requests(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new
     prompts_BxP[b, :len(ids)] = ids
   stops = () if ignore_eos else decoder.target_config.stop_ids if stop_ids is None else stop_ids
   slots = capacity_slots or capacity(width, max_new_tokens, decoder.headroom)
+  automata = None
+  if constraints is not None or constraint_shape is not None:
+    automata = automaton.stack(list(constraints or [None] * batch), decoder.target_config.vocab_size,
+                               constraint_shape)
+    if automata.class_BxV.shape[0] != batch:
+      raise ValueError(f"got constraints for {automata.class_BxV.shape[0]} rows, not {batch}")
   return Requests(prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(p) for p in prompt_ids], np.int32),
                   max_new_tokens_B=np.full((batch,), max_new_tokens, np.int32),
                   sampling=sampling_arrays(sampling, batch), seeds_B=seed_array(seed, batch),
                   stop_BxE=stop_table(stops, batch, stop_width),
-                  speculate_B=np.broadcast_to(np.asarray(speculate, bool), (batch,)).copy(), capacity=slots)
+                  speculate_B=np.broadcast_to(np.asarray(speculate, bool), (batch,)).copy(), constraint=automata,
+                  capacity=slots)

@@ -27,7 +27,8 @@ from collections.abc import Hashable, Iterator, Sequence
 import jax
 import numpy as np
 
-from jspec import engine, memory, request, sharding
+from jspec import automaton, constraints, engine, memory, request, sharding
+from jspec.constraints import Constraint
 from jspec.decode import Decoder
 from jspec.request import GREEDY
 from jspec.settings import SamplingConfig
@@ -44,7 +45,8 @@ MAX_STOP_IDS = 8  # stop token ids a request may add to the target's EOS tokens 
 class Request:
   """One request as the engine takes it. `stop`: strings that end the text (checked on the text; the
   stop string is not returned); `stop_ids`: tokens that end it besides the target's EOS tokens (which
-  `ignore_eos` drops); `speculate` False decodes this request plainly."""
+  `ignore_eos` drops); `speculate` False decodes this request plainly; `constraint` restricts its output
+  (`jspec.generate` says how)."""
   prompt_ids: Sequence[int]
   max_new_tokens: int
   sampling: SamplingConfig = GREEDY
@@ -53,6 +55,7 @@ class Request:
   stop_ids: Sequence[int] = ()
   ignore_eos: bool = False
   speculate: bool = True
+  constraint: Constraint | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +149,10 @@ class Engine:
     self._running: list[_Running | None] = [None] * slots
     self._retire_B = np.ones((slots,), bool)  # rows to end at the next segment (idle or aborted)
     self._state = None
-    self._device_stats = None  # the statistics after the last segment, on the host
+    self._device_stats = None
+    # The running batch's constraint automata are (states, classes) tables of this bucket, or absent while
+    # no row is constrained; a constrained request that needs a bigger bucket grows it (a new program).
+    self._constraint_shape: tuple[int, int] | None = None  # the statistics after the last segment, on the host
 
   # --- requests in (any thread) ---
 
@@ -163,6 +169,17 @@ class Engine:
       raise ValueError(f"stop token ids must be in [0, {vocab})")
     if not all(isinstance(s, str) for s in req.stop):
       raise ValueError("stop strings must be strings")
+    self._tables(req)
+
+  def _tables(self, req: Request) -> constraints.Tables | None:
+    """The request's compiled constraint (cached), or None."""
+    if req.constraint is None:
+      return None
+    if req.ignore_eos:
+      raise ValueError("ignore_eos cannot be combined with a constraint: a constrained text ends at its EOS")
+    config = self.decoder.target_config
+    vocabulary = constraints.Vocabulary.of(self.tokenizer, config.stop_ids, config.vocab_size)
+    return constraints.compile_rows([req.constraint], vocabulary, 1)[0]
 
   def add(self, req: Request, request_id: Hashable | None = None) -> Hashable:
     """Queues a request (checked first); returns its id (`request_id`, else a new integer)."""
@@ -267,6 +284,7 @@ class Engine:
 
   def _admit(self) -> None:
     """Prefills waiting requests into free slots, first come first served."""
+    self._fit_constraints()
     if self._state is None and self._waiting:  # idle rows, ended by the first segment
       idle = [Request([0], 1)] * self.slots
       self._state = self._call("prefill", engine.start, self.decoder, self._requests(idle))
@@ -275,18 +293,35 @@ class Engine:
         continue
       with self._lock:
         request_id, req = self._waiting.popleft()
+      self._fit_constraints(self._tables(req))
       self._state = self._call("insert", engine.insert, self.decoder, self._state,
                                self._requests([req]), np.int32(b))
       stops = frozenset(() if req.ignore_eos else self.eos) | {int(t) for t in req.stop_ids}
       self._running[b] = _Running(request_id, req, _Text(self.tokenizer, req.stop), stops)
       self._retire_B[b] = False
 
+  def _fit_constraints(self, tables: constraints.Tables | None = None) -> None:
+    """Sizes the running batch's automata for a request about to start with `tables`: grown to a bucket
+    that holds them, or, with none and no constrained row running, dropped (the unconstrained program)."""
+    shape = self._constraint_shape
+    if tables is None and not any(r is not None and r.request.constraint is not None for r in self._running):
+      shape = None
+    elif tables is not None:
+      shape = tuple(max(a, b) for a, b in zip(shape or (0, 0), automaton.bucket([tables])))
+    if shape != self._constraint_shape and self._state is not None:
+      self._state = self._state.replace(constraint=None if shape is None else automaton.pad(
+          self._state.constraint, shape, self.slots, self.decoder.target_config.vocab_size))
+    self._constraint_shape = shape
+
   def _requests(self, reqs: list[Request]) -> request.Requests:
     stop_ids = [list(() if r.ignore_eos else self.eos) + [int(t) for t in r.stop_ids] for r in reqs]
+    tables = [self._tables(r) for r in reqs]
     requests = request.make_requests(
         self.decoder, [r.prompt_ids for r in reqs], max(r.max_new_tokens for r in reqs),
         sampling=[r.sampling for r in reqs], seed=[r.seed for r in reqs], stop_ids=stop_ids,
-        capacity_slots=self.capacity, stop_width=self.stop_width, speculate=[r.speculate for r in reqs])
+        capacity_slots=self.capacity, stop_width=self.stop_width, speculate=[r.speculate for r in reqs],
+        constraints=tables if any(t is not None for t in tables) else None,
+        constraint_shape=self._constraint_shape)
     requests = requests.replace(max_new_tokens_B=np.asarray([r.max_new_tokens for r in reqs], np.int32))
     layout = self.decoder.layout
     return requests if layout is None else sharding.place(requests, layout.mesh)
@@ -295,7 +330,8 @@ class Engine:
     """`jitted`'s executable for these shapes. The engine keeps the executables it used: finding one in
     the engine's cache hashes every argument's shape and static field, which costs more than a segment's
     call."""
-    key = (name, args[2].prompts_BxP.shape if name == "insert" else None, tuple(static.items()))
+    key = (name, args[2].prompts_BxP.shape if name == "insert" else None, self._constraint_shape,
+           tuple(static.items()))
     if key not in self._executables:
       executable, seconds = engine.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
       self._executables[key] = executable
@@ -329,10 +365,12 @@ class Stream:
 
   def __init__(self, decoder: Decoder, tokenizer, prompt_ids: Sequence[Sequence[int]], *, slots: int,
                max_new_tokens: int, sampling: SamplingConfig | Sequence[SamplingConfig], seeds: Sequence[int],
-               ignore_eos: bool, segment_rounds: int = SEGMENT_ROUNDS):
+               ignore_eos: bool, segment_rounds: int = SEGMENT_ROUNDS,
+               constraint: Constraint | Sequence[Constraint | None] | None = None):
     samplings = [sampling] * len(prompt_ids) if isinstance(sampling, SamplingConfig) else list(sampling)
-    self.requests = [Request(list(p), max_new_tokens, s, seed, ignore_eos=ignore_eos)
-                     for p, s, seed in zip(prompt_ids, samplings, seeds)]
+    rows = constraint if isinstance(constraint, list | tuple) else [constraint] * len(prompt_ids)
+    self.requests = [Request(list(p), max_new_tokens, s, seed, ignore_eos=ignore_eos, constraint=c)
+                     for p, s, seed, c in zip(prompt_ids, samplings, seeds, rows)]
     self.decoder, self.slots = decoder, slots  # rows of the batch (the decoder was made for this many)
     widest = max(len(p) for p in prompt_ids)
     self.engine = Engine(decoder, tokenizer, slots=slots, max_len=min(widest + max_new_tokens, decoder.context_len),

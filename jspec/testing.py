@@ -89,17 +89,23 @@ def assert_target_argmax(target: Model, prompt_ids: list[int], out_ids: list[int
     assert tok == row.argmax() or top2[1] - row[tok] < 1e-5, f"token {i}: {tok} vs argmax {row.argmax()}"
 
 
-def exact_two_token_law(m: Model, prompt: list[int], temperature: float, top_k: int, top_p: float) -> np.ndarray:
+def exact_two_token_law(m: Model, prompt: list[int], temperature: float, top_k: int, top_p: float,
+                        allowed=None) -> np.ndarray:
   """[V, V]: the probability of the first two tokens after `prompt` under the sampling transform, by
-  enumerating every first token (for a tiny vocabulary)."""
+  enumerating every first token (for a tiny vocabulary). With `allowed(emitted ids) -> [V] bool`, the
+  constrained law: at each step the logits outside the allowed tokens are masked before the transform."""
   vocab = m.config.vocab_size
   full = lambda batch: sampling.SamplingParams(jnp.full((batch,), temperature, jnp.float32),
                                                jnp.full((batch,), top_k, jnp.int32),
                                                jnp.full((batch,), top_p, jnp.float32))
-  logits = model.forward_full(m.params, np.asarray([prompt + [a] for a in range(vocab)]), m.config)[0]
-  first = sampling.probabilities(logits[:1, len(prompt) - 1:len(prompt)], full(1))[0, 0]
-  second = sampling.probabilities(logits[:, len(prompt):len(prompt) + 1], full(vocab))[:, 0]
-  return np.asarray(first)[:, None] * np.asarray(second)
+  logits = np.asarray(model.forward_full(m.params, np.asarray([prompt + [a] for a in range(vocab)]), m.config)[0])
+  first_logits, second_logits = logits[:1, len(prompt) - 1:len(prompt)], logits[:, len(prompt):len(prompt) + 1]
+  if allowed is not None:
+    first_logits = np.where(allowed([]), first_logits, -np.inf)
+    second_logits = np.where(np.stack([allowed([a]) for a in range(vocab)])[:, None], second_logits, -np.inf)
+  first = np.nan_to_num(np.asarray(sampling.probabilities(jnp.asarray(first_logits), full(1))[0, 0]))
+  second = np.nan_to_num(np.asarray(sampling.probabilities(jnp.asarray(second_logits), full(vocab))[:, 0]))
+  return first[:, None] * second
 
 
 def tv_bound(p: np.ndarray, n: int) -> float:
@@ -108,10 +114,11 @@ def tv_bound(p: np.ndarray, n: int) -> float:
   return float(0.5 * np.sum(np.sqrt(p * (1 - p) / n)) + np.sqrt(np.log(1e4) / (2 * n)))
 
 
-def two_token_tv(target: Model, prompt: list[int], sp: tuple[float, int, float], n: int, **kw):
+def two_token_tv(target: Model, prompt: list[int], sp: tuple[float, int, float], n: int, allowed=None, **kw):
   """(TV distance of n decoded two-token samples from the exact law, the bound it must stay under, the
-  request's stats). `kw` goes to `jspec.generate` (a draft, speculation settings)."""
-  want = exact_two_token_law(target, prompt, *sp)
+  request's stats). `kw` goes to `jspec.generate` (a draft, speculation settings, a constraint, whose
+  allowed tokens `allowed` gives as `exact_two_token_law` takes them)."""
+  want = exact_two_token_law(target, prompt, *sp, allowed=allowed)
   r = generate(target, [prompt] * n, max_new_tokens=2, temperature=sp[0], top_k=sp[1], top_p=sp[2], seed=11, **kw)
   counts = np.zeros_like(want)
   for a, b in r.token_ids:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec.automaton import Automata
 from jspec.config import ModelConfig
 from jspec.sampling import SamplingParams, next_token
 from jspec.settings import CostModel, SpecConfig, TreeConfig
@@ -65,10 +66,12 @@ class DraftWeights:
 
 @flax.struct.dataclass
 class DraftContext:
-  """The rows' text as the loop holds it: tokens `[0, seq_lens[b])` of row b, and its sampling values."""
+  """The rows' text as the loop holds it: tokens `[0, seq_lens[b])` of row b, its sampling values, and its
+  constraint automaton (None: no row is constrained), whose allowed tokens a drafter should draw from."""
   tokens_BxT: jax.Array
   seq_lens_B: jax.Array
   sampling: SamplingParams
+  constraint: Automata | None = None
 
 
 class Drafter:
@@ -231,19 +234,44 @@ class Features:
     return jnp.take_along_axis(self.feats_BxCxD, idx[:, None, None], axis=1)[:, 0]
 
 
+def draw(key_Bx2: jax.Array, logits_BxV: jax.Array, fsm_B: jax.Array | None,
+         context: DraftContext) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """One drafted token per row under the rows' sampling, from the logits masked by the row's automaton
+  state `fsm` along its draft path (when constrained). Returns the token, the logits it was drawn from (q)
+  and the state after it."""
+  automata = context.constraint
+  if automata is not None:
+    logits_BxV = automata.mask(logits_BxV[:, None], fsm_B[:, None])[:, 0]
+  token = next_token(key_Bx2, logits_BxV, context.sampling)
+  return token, logits_BxV, None if automata is None else automata.step(fsm_B[:, None], token[:, None])[:, 0]
+
+
+def draw_path(keys_KxBx2: jax.Array, logits_BxKxV: jax.Array, context: DraftContext) -> tuple[jax.Array, jax.Array]:
+  """K drafted tokens per row from logits given up front (one set per draft position), each masked by the
+  automaton state the tokens before it reach. Returns `(tokens_BxK, logits_BxKxV)` as drawn from."""
+  fsm = None if context.constraint is None else context.constraint.state_B
+  tokens, logits = [], []
+  for i in range(keys_KxBx2.shape[0]):
+    token, q, fsm = draw(keys_KxBx2[i], logits_BxKxV[:, i], fsm, context)
+    tokens.append(token)
+    logits.append(q)
+  return jnp.stack(tokens, 1), jnp.stack(logits, 1)
+
+
 def draft_chain(step: Callable[[Any, jax.Array], tuple[Any, jax.Array]], carry: Any, logits_BxV: jax.Array,
-                keys_KxBx2: jax.Array, sampling: SamplingParams) -> tuple[Any, Proposal]:
-  """Samples K tokens autoregressively: token i from the logits so far, then `step(carry, token)` gives
-  the next logits. The last token needs no step: the next round feeds it if it is accepted.
+                keys_KxBx2: jax.Array, context: DraftContext) -> tuple[Any, Proposal]:
+  """Samples K tokens autoregressively (`draw`): token i from the logits so far, then `step(carry, token)`
+  gives the next logits. The last token needs no step: the next round feeds it if it is accepted.
   """
   def body(c, key_Bx2):
-    carry, logits_BxV = c
-    token = next_token(key_Bx2, logits_BxV, sampling)
+    carry, logits_BxV, fsm = c
+    token, logits_BxV, fsm = draw(key_Bx2, logits_BxV, fsm, context)
     carry, next_logits = step(carry, token)
-    return (carry, next_logits), (token, logits_BxV)
+    return (carry, next_logits, fsm), (token, logits_BxV)
 
-  (carry, logits_BxV), (tokens_KxB, logits_KxBxV) = lax.scan(body, (carry, logits_BxV), keys_KxBx2[:-1])
-  token = next_token(keys_KxBx2[-1], logits_BxV, sampling)
+  fsm = None if context.constraint is None else context.constraint.state_B
+  (carry, logits_BxV, fsm), (tokens_KxB, logits_KxBxV) = lax.scan(body, (carry, logits_BxV, fsm), keys_KxBx2[:-1])
+  token, logits_BxV, _ = draw(keys_KxBx2[-1], logits_BxV, fsm, context)
   tokens_BxK = jnp.concatenate([tokens_KxB.T, token[:, None]], axis=1)
   logits_BxKxV = jnp.concatenate([jnp.moveaxis(logits_KxBxV, 0, 1), logits_BxV[:, None]], axis=1)
   return carry, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(tokens_BxK.shape[:1], bool))

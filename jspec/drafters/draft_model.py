@@ -113,7 +113,7 @@ class ModelDrafter(Drafter):
       _, hidden, cache = model.forward(params, token_B[:, None], cache.lengths[:, None], cache, self.config)
       return cache, self._logits(params, hidden)[:, 0]
 
-    return draft_chain(step, cache, logits_BxV, keys_KxBx2, context.sampling)
+    return draft_chain(step, cache, logits_BxV, keys_KxBx2, context)
 
   def propose_tree(self, weights: DraftWeights, cache: kvcache.KVCache, context: DraftContext, spec: SpecConfig,
                    keys_Bx2: jax.Array) -> tuple[kvcache.KVCache, TreeProposal]:

@@ -126,7 +126,7 @@ class EagleDrafter(Drafter):
                                  cache.lengths[:, None])
       return (cache, feature[:, 0]), model.logits_from_hidden(target_params, feature, self.config)[:, 0]
 
-    (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, context.sampling)
+    (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, context)
     return EagleState(cache, state.features), proposal
 
   def propose_tree(self, weights: DraftWeights, state: EagleState, context: DraftContext, spec: SpecConfig,

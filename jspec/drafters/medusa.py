@@ -25,8 +25,8 @@ from jspec.drafters.base import (
   Proposal,
   TreeProposal,
   check_heads_fit,
+  draw_path,
 )
-from jspec.sampling import next_token
 from jspec.settings import SpecConfig, TreeConfig
 from jspec.training import losses
 
@@ -89,7 +89,7 @@ class MedusaDrafter(Drafter):
               keys_KxBx2: jax.Array) -> tuple[Features, Proposal]:
     num = keys_KxBx2.shape[0]
     logits_BxKxV = self._head_logits(weights, state, context.seq_lens_B, num)
-    tokens_BxK = jnp.stack([next_token(keys_KxBx2[i], logits_BxKxV[:, i], context.sampling) for i in range(num)], 1)
+    tokens_BxK, logits_BxKxV = draw_path(keys_KxBx2, logits_BxKxV, context)
     return state, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(context.seq_lens_B.shape, bool))
 
   def propose_tree(self, weights: DraftWeights, state: Features, context: DraftContext, spec: SpecConfig,

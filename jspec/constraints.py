@@ -1,0 +1,227 @@
+"""Constraints on what a row may output (`Regex`, `JsonSchema`, `Choice`), compiled to token automata.
+
+`outlines-core` turns a regular expression (a JSON Schema and a list of choices become one) and the model's
+vocabulary, read from its own `tokenizer.json`, into a deterministic automaton over token ids. `compile`
+lays it out as device tables with a compressed alphabet: tokens that lead to the same state from every state
+share a class, so a row's tables are a `[V]` class map and a `[states, classes]` next-state table
+(`jspec.automaton` holds and walks them in the loop). The model's stop tokens are allowed exactly in
+accepting states, and in any state where nothing else is (which then ends the text). Compiled tables are
+kept in an LRU cache keyed by the constraint and the vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+# JSON Schema whitespace between tokens: at most one space, so a valid object completes within a small
+# budget of tokens (an unbounded whitespace pattern lets a sampled row pad forever).
+JSON_WHITESPACE = r"[ ]?"
+
+
+@dataclasses.dataclass(frozen=True)
+class Regex:
+  """The output must match `pattern` in full (Rust `regex` syntax, as outlines-core reads it)."""
+  pattern: str
+
+  def regex(self) -> str:
+    return self.pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonSchema:
+  """The output must be one JSON value valid under `schema` (a dict, or its JSON text)."""
+  schema: str
+
+  def __init__(self, schema: dict | str):
+    if isinstance(schema, str):
+      try:
+        schema = json.loads(schema)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"the JSON Schema is not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+      raise ValueError("a JSON Schema must be a dict or its JSON text")
+    object.__setattr__(self, "schema", json.dumps(schema))  # properties keep their order: the output's
+
+  def regex(self) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+    try:
+      return build_regex_from_schema(self.schema, JSON_WHITESPACE)
+    except Exception as e:  # outlines-core raises ValueError and its own errors for schemas it cannot read
+      raise ValueError(f"cannot compile the JSON Schema: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The output must be exactly one of `choices`."""
+  choices: tuple[str, ...]
+
+  def __init__(self, choices: Sequence[str]):
+    if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
+      raise ValueError("choices must be a non-empty list of non-empty strings")
+    object.__setattr__(self, "choices", tuple(choices))
+
+  def regex(self) -> str:
+    return "|".join(_escape(c) for c in self.choices)
+
+
+Constraint = Regex | JsonSchema | Choice
+
+# JSON mode (`{"type": "json_object"}`): any JSON object.
+JSON_OBJECT = JsonSchema({"type": "object"})
+
+
+def _escape(text: str) -> str:
+  """`text` as a literal in Rust regex syntax."""
+  return "".join("\\" + ch if ch in r"\.+*?()|[]{}^$#&-~" else ch for ch in text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """A compiled constraint, on the host: `class_V[v]` is token v's class, `next_UxY[s, c]` the state after a
+  token of class c in state s (-1: not allowed); state 0 is the start."""
+  class_V: np.ndarray  # int32
+  next_UxY: np.ndarray  # int32
+
+  @property
+  def num_states(self) -> int:
+    return self.next_UxY.shape[0]
+
+  @property
+  def num_classes(self) -> int:
+    return self.next_UxY.shape[1]
+
+  @property
+  def nbytes(self) -> int:
+    return self.class_V.nbytes + self.next_UxY.nbytes
+
+
+def token_bytes(tokenizer: Tokenizer) -> dict[int, bytes]:
+  """Each ordinary token's bytes (special tokens left out): byte-level BPE maps characters back to bytes;
+  SentencePiece-style vocabularies mark spaces with U+2581 and spell raw bytes as `<0xNN>`."""
+  spec = json.loads(tokenizer.to_str())
+  special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+  vocab = {i: s for s, i in tokenizer.get_vocab(with_added_tokens=True).items() if i not in special}
+  if "ByteLevel" in json.dumps(spec.get("decoder")) or "ByteLevel" in json.dumps(spec.get("pre_tokenizer")):
+    byte_of = _byte_level_bytes()
+    return {i: bytes(byte_of[ch] for ch in s) if all(ch in byte_of for ch in s) else s.encode()
+            for i, s in vocab.items()}
+  out = {}
+  for i, s in vocab.items():
+    if len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+      out[i] = bytes([int(s[3:5], 16)])
+    else:
+      out[i] = s.replace("\u2581", " ").encode()
+  return out
+
+
+def _byte_level_bytes() -> dict[str, int]:
+  """Byte-level BPE's character for each byte, inverted (GPT-2's `bytes_to_unicode`): printable bytes
+  stand for themselves, the others for 256, 257, ... in byte order."""
+  printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
+  others = [b for b in range(256) if b not in printable]
+  return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+  """A model's tokens as constraints see them: token id -> its bytes (empty: never allowed, as special
+  tokens and a padded embedding's extra ids are), and the stop tokens that end a text."""
+  tokens: tuple[bytes, ...]
+  stop_ids: tuple[int, ...]
+
+  @classmethod
+  def of(cls, tokenizer: Tokenizer, stop_ids: Sequence[int], vocab_size: int) -> Vocabulary:
+    """The vocabulary of a model's tokenizer (`vocab_size` ids, the embedding's); cached."""
+    return _vocabulary(tokenizer.to_str(), tuple(int(i) for i in stop_ids), vocab_size)
+
+  def outlines(self):
+    from outlines_core import Vocabulary as OutlinesVocabulary
+    tokens: dict[bytes, list[int]] = {}
+    for i, b in enumerate(self.tokens):
+      if b and i not in self.stop_ids:
+        tokens.setdefault(b, []).append(i)
+    return OutlinesVocabulary(self.stop_ids[0], tokens)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(tokenizer_json: str, stop_ids: tuple[int, ...], vocab_size: int) -> Vocabulary:
+  spelled = token_bytes(Tokenizer.from_str(tokenizer_json))
+  return Vocabulary(tuple(spelled.get(i, b"") for i in range(vocab_size)), stop_ids)
+
+
+@functools.lru_cache(maxsize=64)
+def compile(constraint: Constraint, vocabulary: Vocabulary) -> Tables:
+  """`constraint`'s tables over a vocabulary; a one-line ValueError for one that cannot be compiled or
+  satisfied. Cached (LRU) by the constraint and the vocabulary."""
+  from outlines_core import Index
+  if not vocabulary.stop_ids:
+    raise ValueError("a constraint needs the model's EOS token to end the text")
+  pattern = constraint.regex()
+  try:
+    index = Index(pattern, vocabulary.outlines())
+  except Exception as e:  # outlines-core raises ValueError, or its own errors, for a regex it cannot build
+    reason = str(e).split(". This may be")[0]
+    raise ValueError(f"cannot compile the constraint {_short(pattern)}: {reason}") from None
+  transitions = index.get_transitions()
+  initial = index.get_initial_state()
+  # State 0 is the start; the others are numbered in outlines-core's order.
+  order = [initial] + sorted(s for s in transitions if s != initial)
+  number = {s: i for i, s in enumerate(order)}
+  vocab_size, stop_ids = len(vocabulary.tokens), list(vocabulary.stop_ids)
+  next_UxV = np.full((len(order), vocab_size), -1, np.int32)
+  for s, moves in transitions.items():
+    ids = np.fromiter(moves.keys(), np.int64, len(moves))
+    to = np.fromiter((number.get(t, -1) for t in moves.values()), np.int32, len(moves))
+    next_UxV[number[s], ids] = to
+  final = np.zeros(len(order), bool)
+  for s in index.get_final_states():
+    if s in number:
+      final[number[s]] = True
+  next_UxV[:, stop_ids] = -1
+  stuck = (next_UxV < 0).all(1)  # nothing allowed: the text can only end here
+  if stuck[0] and not final[0]:
+    raise ValueError(f"no token of this vocabulary can start the constraint {_short(pattern)}")
+  next_UxV[:, stop_ids] = np.where(final | stuck, np.arange(len(order)), -1)[:, None]
+  if not _reaches_final(next_UxV, final):
+    raise ValueError(f"the constraint {_short(pattern)} cannot be completed with this vocabulary")
+  classes_YxU, class_V = np.unique(next_UxV.T, axis=0, return_inverse=True)
+  return Tables(class_V.reshape(-1).astype(np.int32), np.ascontiguousarray(classes_YxU.T, np.int32))
+
+
+def compile_rows(constraint: Constraint | Sequence[Constraint | None] | None, vocabulary: Vocabulary,
+                 rows: int) -> list[Tables | None] | None:
+  """Each row's tables from one constraint for every row or one per row (None: a free row); None when
+  no row is constrained."""
+  if constraint is None:
+    return None
+  listed = constraint if isinstance(constraint, list | tuple) else [constraint] * rows
+  if len(listed) != rows:
+    raise ValueError(f"got constraints for {len(listed)} prompts, not {rows}")
+  if not all(c is None or isinstance(c, Regex | JsonSchema | Choice) for c in listed):
+    raise ValueError("a constraint must be a jspec.Regex, jspec.JsonSchema or jspec.Choice")
+  if all(c is None for c in listed):
+    return None
+  return [None if c is None else compile(c, vocabulary) for c in listed]
+
+
+def _reaches_final(next_UxV: np.ndarray, final_U: np.ndarray) -> bool:
+  """Whether an accepting state is reachable from the start."""
+  seen, frontier = {0}, [0]
+  while frontier:
+    s = frontier.pop()
+    if final_U[s]:
+      return True
+    for t in np.unique(next_UxV[s][next_UxV[s] >= 0]).tolist():
+      if t not in seen:
+        seen.add(t)
+        frontier.append(t)
+  return False
+
+
+def _short(pattern: str, limit: int = 60) -> str:
+  return repr(pattern if len(pattern) <= limit else pattern[:limit] + "...")
