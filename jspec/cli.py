@@ -36,6 +36,7 @@ EXAMPLES = """examples:
   python -m jspec.generate --prompt "def f(" --prompt "class A:" --max-new-tokens 96 --baseline --json
   python -m jspec.generate --drafter eagle --no-adaptive --temperature 0.7 --top-p 0.95 --prompt "import os"
   python -m jspec.generate --drafter eagle --tree --draft-len 5 --tree-top-k 4 --tree-nodes 24 --prompt "def f("
+  python -m jspec.generate --prompt "def f(" --regex "[a-z_]+\\(\\)"
   python -m jspec.generate --target HF_DIR --draft HF_DRAFT_DIR --prompt "Hello"
   python -m jspec.generate --prompt-file prompts.txt --batch-size 8 --output out.jsonl
   python -m jspec.generate --mesh data=2,model=4 --prompt-file prompts.jsonl --json
@@ -90,6 +91,13 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--top-k", type=int, default=sampling.top_k, metavar="K", help="0 = off")
   g.add_argument("--top-p", type=float, default=sampling.top_p, metavar="P", help="1 = off")
   g.add_argument("--seed", type=int, default=0, metavar="S", help="row b samples with seed + b")
+
+  g = p.add_argument_group("structured output (one of them, for every prompt)")
+  g.add_argument("--regex", metavar="PATTERN", help="the output matches PATTERN in full")
+  g.add_argument("--json-schema", metavar="FILE_OR_JSON",
+                 help="the output is one JSON value valid under this schema (a file, or the JSON text)")
+  g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                 help="the output is one of these texts; repeat for each choice")
 
   add_speculation_args(p)
   add_runtime_args(p)
@@ -270,6 +278,28 @@ def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model
   return target, dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft)
 
 
+def constraint(args: argparse.Namespace) -> jspec.Regex | jspec.JsonSchema | jspec.Choice | None:
+  """The constraint the flags ask for (a bad one is a ValueError)."""
+  given = [name for name in ("regex", "json_schema", "choice") if getattr(args, name) is not None]
+  if len(given) > 1:
+    raise ValueError("give one of --regex, --json-schema and --choice")
+  if args.regex is not None:
+    return jspec.Regex(args.regex)
+  if args.choice is not None:
+    return jspec.Choice(args.choice)
+  if args.json_schema is None:
+    return None
+  path = pathlib.Path(args.json_schema)
+  try:
+    text = path.read_text() if path.is_file() else args.json_schema
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot read --json-schema {path}: {e}") from None
+  try:
+    return jspec.JsonSchema(text)
+  except ValueError as e:
+    raise ValueError(f"--json-schema: neither a readable file nor a valid schema ({e})") from None
+
+
 def output_entry(index: int, prompt: str, text: str, token_ids: list[int], stats) -> dict:
   return {"index": index, "prompt": prompt, "text": text, "token_ids": token_ids, "stats": stats.to_dict()}
 
@@ -279,7 +309,7 @@ def run(args: argparse.Namespace) -> tuple[dict, bool]:
   already (streamed)."""
   prompts = read_prompts(args)
   sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, ignore_eos=args.ignore_eos, chat=args.chat)
+                  top_p=args.top_p, ignore_eos=args.ignore_eos, chat=args.chat, constraint=constraint(args))
   SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values fail before anything loads
   spec = speculation(args)
   if args.max_new_tokens < 1:

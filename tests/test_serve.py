@@ -126,6 +126,12 @@ BAD = [
     ({"model": MODEL, "prompt": list(range(1, 300))}, 400, None),
     ({"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, None),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": list(range(9))}, 400, None),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "("}, 400, None),
+    ({"model": MODEL, "prompt": "x", "guided_choice": []}, 400, None),
+    ({"model": MODEL, "prompt": "x", "guided_json": {"type": "nope"}}, 400, None),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, 400, None),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "a+", "ignore_eos": True}, 400, None),
     ({"model": "other", "prompt": "x"}, 404, "model"),
     ({"prompt": "x"}, 400, "model"),
     ("{not json", 400, None),
@@ -147,6 +153,26 @@ def test_bad_requests_get_4xx_with_an_error_body(server, target, body, status, p
   good = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 4,
                                                     "temperature": 0}, timeout=60)
   assert good.status_code == 200 and good.json()["choices"][0]["text"] == greedy(target, "x = ", 4)[0]
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "line": {"type": "integer"}},
+          "required": ["name", "line"]}
+STRUCTURED = [({"guided_choice": ["args)", "argv)", "self)"]}, jspec.Choice(["args)", "argv)", "self)"])),
+              ({"guided_regex": "[a-z_]+, [a-z_]+\\)"}, jspec.Regex("[a-z_]+, [a-z_]+\\)")),
+              ({"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": SCHEMA}}},
+               jspec.JsonSchema(SCHEMA))]
+
+
+def test_structured_output_is_the_constrained_targets_greedy_text(server, client, target):
+  """vLLM's guided fields and OpenAI's response_format, next to a free request in the same batch."""
+  free = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True)
+  for extra, constraint in STRUCTURED:
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body=extra)
+    want = jspec.generate(target, [PROMPTS[0]], max_new_tokens=40, constraint=constraint)
+    assert out.choices[0].text == want.texts[0]
+    assert out.choices[0].finish_reason == ("stop" if len(want.token_ids[0]) < 40 else "length")
+  assert out.choices[0].finish_reason == "stop" and set(json.loads(out.choices[0].text)) == set(SCHEMA["properties"])
+  assert "".join(c.choices[0].text for c in free) == greedy(target, PROMPTS[0], 20)[0]
 
 
 def test_chat_fields_on_the_completions_route_and_unknown_routes(server):
@@ -280,5 +306,10 @@ def test_chat_completions_through_a_model_with_a_template(tmp_path):
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}):
+      out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                           response_format=fmt)
+      assert isinstance(json.loads(out.choices[0].message.content), dict)
   finally:
     stop(proc)

@@ -90,7 +90,7 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
   def engine_request(body, prompt_ids: list[int], max_tokens: int, seed: int) -> Request:
     try:
       return Request(prompt_ids, max_tokens, body.sampling(), seed, body.stops, body.stop_token_ids or (),
-                     body.ignore_eos, body.speculate)
+                     body.ignore_eos, body.speculate, body.constraint())
     except ValueError as e:
       raise APIError(400, str(e)) from None
 
@@ -122,6 +122,8 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
 
   async def respond(body, requests: list[Request], response: protocol.Response, http: HTTPRequest):
     try:
+      # A new constraint compiles for up to seconds: off the event loop, so other streams keep flowing.
+      await asyncio.to_thread(lambda: [engine.check(r) for r in requests])
       ids, queue = loop.submit(requests)
     except ValueError as e:
       raise APIError(400, str(e)) from None

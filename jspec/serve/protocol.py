@@ -1,5 +1,6 @@
 """The OpenAI request and response shapes the server speaks, as the official `openai` client sends and
-reads them, with vLLM's extra fields (`top_k`, `ignore_eos`, `seed`, `stop_token_ids`) and jspec's
+reads them, with vLLM's extra fields (`top_k`, `ignore_eos`, `seed`, `stop_token_ids`, and structured
+output's `guided_regex`, `guided_choice`, `guided_json` beside OpenAI's `response_format`) and jspec's
 `speculate` (False: decode this request plainly).
 
 Requests are validated strictly: wrong types, out-of-range values and fields the endpoint does not take
@@ -14,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jspec.constraints import JSON_OBJECT, Choice, Constraint, JsonSchema, Regex
 from jspec.scheduler import Delta
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats
@@ -50,6 +52,25 @@ class StreamOptions(_Strict):
   include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+  name: str
+  schema_: dict[str, Any] = Field(alias="schema")
+  strict: bool | None = None
+  description: str | None = None
+
+
+class ResponseFormat(_Strict):
+  """OpenAI's `response_format`: free text, any JSON object, or JSON valid under a schema."""
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
+
+  @model_validator(mode="after")
+  def _schema_with_its_type(self):
+    if (self.type == "json_schema") != (self.json_schema is not None):
+      raise ValueError("response_format: json_schema is given exactly with type \"json_schema\"")
+    return self
+
+
 class _Sampling(_Strict):
   """What both endpoints take."""
   model: str
@@ -68,6 +89,32 @@ class _Sampling(_Strict):
   frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
   user: str | None = None
   speculate: bool = True
+  response_format: ResponseFormat | None = None
+  guided_regex: str | None = None
+  guided_choice: list[str] | None = None
+  guided_json: dict[str, Any] | str | None = None
+
+  @model_validator(mode="after")
+  def _one_constraint(self):
+    asked = [name for name in ("guided_regex", "guided_choice", "guided_json") if getattr(self, name) is not None]
+    if self.response_format is not None and self.response_format.type != "text":
+      asked.append("response_format")
+    if len(asked) > 1:
+      raise ValueError(f"give one structured output constraint, not {' and '.join(asked)}")
+    return self
+
+  def constraint(self) -> Constraint | None:
+    """The structured output asked for (a ValueError for one that cannot be read), or None."""
+    if self.guided_regex is not None:
+      return Regex(self.guided_regex)
+    if self.guided_choice is not None:
+      return Choice(self.guided_choice)
+    if self.guided_json is not None:
+      return JsonSchema(self.guided_json)
+    fmt = self.response_format
+    if fmt is None or fmt.type == "text":
+      return None
+    return JSON_OBJECT if fmt.type == "json_object" else JsonSchema(fmt.json_schema.schema_)
 
   @model_validator(mode="after")
   def _stream_options_need_stream(self):
