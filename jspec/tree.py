@@ -219,7 +219,7 @@ def rule(spec) -> str:
 
 
 def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: int, nodes: int,
-         choose=top_k_children) -> tuple[Any, jax.Array, jax.Array, jax.Array | None]:
+         choose=top_k_children, automata=None) -> tuple[Any, jax.Array, jax.Array, jax.Array | None]:
   """EAGLE-2's dynamic tree from a drafter's distributions. The root's top-k tokens are the first
   frontier; each further level expands the frontier (the top-k nodes of the level by cumulative draft
   log-probability) into top-k children each. Every node made is a candidate; the `nodes` candidates of
@@ -237,10 +237,17 @@ def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: 
   leaves), and each frontier entry's ancestors among the A = level * K entries fed this round (itself
   included). It returns `(carry, logits_BxGxV, state_BxG)`: each frontier node's children's logits and the
   state its children will get. Returns `(carry, tokens_BxM, parents_BxM, logits_BxM1xV or None)`.
+
+  With `automata` (the rows' constraints, `jspec.automaton.Automata`), each node's children come from its
+  logits masked by the automaton state its path reaches.
   """
   batch = logits_BxV.shape[0]
   sampled = choose is not top_k_children
+  if automata is not None:
+    logits_BxV = automata.mask(logits_BxV[:, None], automata.state_B[:, None])[:, 0]
   score_BxG, token_BxG = (x[:, 0] for x in choose(logits_BxV[:, None], top_k, 0))
+  if automata is not None:
+    fsm_BxG = automata.step(jnp.broadcast_to(automata.state_B[:, None], token_BxG.shape), token_BxG)
   scores, tokens, parents = [score_BxG], [token_BxG.astype(jnp.int32)], [jnp.full((batch, top_k), -1, jnp.int32)]
   expanded = []  # (candidate indices, the logits their children came from), per level
   frontier_BxG = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (batch, top_k))  # candidate indices
@@ -248,6 +255,8 @@ def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: 
   seen_BxGxA = jnp.broadcast_to(jnp.eye(top_k, dtype=jnp.bool_), (batch, top_k, top_k))
   for level in range(1, depth):
     carry, logits_BxGxV, state = expand(carry, parent_state, frontier_tokens_BxG, seen_BxGxA, level)
+    if automata is not None:
+      logits_BxGxV = automata.mask(logits_BxGxV, fsm_BxG)
     expanded.append((frontier_BxG, logits_BxGxV))
     child_score_BxGxG, child_BxGxG = choose(logits_BxGxV, top_k, level)
     child_score_BxGG = (frontier_score_BxG[:, :, None] + child_score_BxGxG).reshape(batch, top_k * top_k)
@@ -258,6 +267,9 @@ def grow(expand, carry, parent_state, logits_BxV: jax.Array, depth: int, top_k: 
     frontier_score_BxG, best_BxG = lax.top_k(child_score_BxGG, top_k)
     slot_BxG = best_BxG // top_k  # which frontier node each new frontier node hangs from
     frontier_tokens_BxG = jnp.take_along_axis(tokens[-1], best_BxG, axis=1)
+    if automata is not None:
+      parent_fsm_BxG = jnp.take_along_axis(fsm_BxG, slot_BxG, axis=1)
+      fsm_BxG = automata.step(parent_fsm_BxG, frontier_tokens_BxG)
     frontier_BxG = (offset + best_BxG).astype(jnp.int32)
     parent_state = jax.tree.map(lambda x: jnp.take_along_axis(
         x, slot_BxG.reshape(batch, top_k, *([1] * (x.ndim - 2))), axis=1), state)

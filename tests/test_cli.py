@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -101,6 +102,11 @@ BAD = [
     (["--tree-choices", "[[0]]"], "--tree-choices and --tree-sampled need --tree"),
     (["--tree", "--tree-sampled", "--tree-choices", "[[0]]"], "sampled children need a dynamic tree, not choices"),
     (["--tree", "--tree-choices", "[[0]]"], "the model drafter grows its tree dynamically"),
+    (["--regex", "("], "cannot compile the constraint '('"),
+    (["--regex", "a", "--choice", "b"], "give one of --regex, --json-schema and --choice"),
+    (["--json-schema", "{root}/missing.json"], "--json-schema: neither a readable file nor a valid schema"),
+    (["--json-schema", '{"type": "nope"}'], "cannot compile the JSON Schema: Unsupported type: nope"),
+    (["--choice", "yes", "--ignore-eos"], "ignore_eos cannot be combined with a constraint"),
 ]
 
 
@@ -190,6 +196,19 @@ def test_cli_ignore_eos_decodes_past_eos(ckpts, capsys):
     assert cli.main(base + extra) == 0
     lengths.append(len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]))
   assert lengths == [1, 12]
+
+
+def test_cli_structured_output(ckpts, capsys, tmp_path):
+  schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+  (tmp_path / "schema.json").write_text(json.dumps(schema))
+  base = ["--target", str(ckpts / "target"), "--draft", str(ckpts / "draft"), "--prompt", "x", "--prompt", "yes? ",
+          "--max-new-tokens", "40", "--json", "--quiet"]
+  for extra, valid in [(["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no")),
+                       (["--regex", "[0-9]{2}-[a-z]{2}"], lambda t: re.fullmatch("[0-9]{2}-[a-z]{2}", t)),
+                       (["--json-schema", str(tmp_path / "schema.json"), "--temperature", "0.8"],
+                        lambda t: set(json.loads(t)) == {"ok"})]:
+    assert cli.main(base + extra) == 0
+    assert all(valid(o["text"]) for o in json.loads(capsys.readouterr().out)["outputs"])
 
 
 def test_cli_prompt_file_with_continuous_batching_writes_and_resumes_its_output(ckpts, tmp_path, capsys):

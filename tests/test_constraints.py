@@ -151,10 +151,12 @@ def test_constrained_greedy_speculation_is_constrained_plain_decoding(target, pl
   assert r.token_ids == plain.token_ids
 
 
-def test_a_draft_that_is_the_target_accepts_every_forced_token(target):
-  """Where the automaton forces the text (a choice's letters after its first), the masked draft and the
-  masked target agree: a copy of the target accepts every draft."""
-  r = jspec.generate(target, ["Answer: "], draft=target, spec=testing.fixed_k(4), max_new_tokens=20,
+@pytest.mark.parametrize("shape", [None, TreeConfig(top_k=2, nodes=8)], ids=["chain", "tree"])
+def test_a_draft_that_is_the_target_accepts_every_draft_under_the_constraint(target, shape):
+  """The draft is masked along its own path (each tree node by its path's state) as the target is: a copy
+  of the target drafts exactly the constrained target's tokens, forced ones included."""
+  spec = SpecConfig(draft_len=4, adaptive=None, tree=shape)
+  r = jspec.generate(target, ["Answer: "], draft=target, spec=spec, max_new_tokens=20,
                      constraint=jspec.Choice(["internationalization", "localization"]))
   assert r.texts[0] in ("internationalization", "localization")
   assert r.stats.acceptance_rate == 1.0

@@ -5,6 +5,7 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
   python -m jspec.bench --suite defaults --max-new-tokens 128 --also-drafters model   # what a user gets
   python -m jspec.bench --target DIR --draft eagle=DIR --suite defaults   # your own pair
   python -m jspec.bench --suite serving --drafters eagle   # the server: speculative against plain, over HTTP
+  python -m jspec.bench --suite structured --drafters eagle,model,medusa,ngram   # under constraints
   python -m jspec.bench --suite gpu                  # the prepared check on one NVIDIA GPU (--smoke: anywhere)
   python -m jspec.bench --quick                      # a smoke run of the sweep on tiny random models (CI)
 """
@@ -20,7 +21,7 @@ import jax
 
 import jspec
 from jspec import shipped, testing
-from jspec.bench import end_to_end, gpu, parts, serving, sweep
+from jspec.bench import end_to_end, gpu, parts, serving, structured, sweep
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.bench.timing import machine
 
@@ -88,6 +89,9 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
     "round": ("where a round's time goes", lambda a, m, o: {"rounds": [parts.suite_round(m, a.repeats, kind)
                                                                         for kind in _kinds(a)]}),
     "prefill": ("prefill time by prompt bucket", lambda a, m, o: parts.suite_prefill(m, a.repeats)),
+    "structured": ("constraints: a permissive one's cost, and constrained speculative against constrained plain",
+                   lambda a, m, o: structured.suite_structured(m, _kinds(a), a.max_new_tokens, a.repeats,
+                                                               a.prompts)),
     "step": ("decode-step costs on a random model", lambda a, m, o: parts.suite_step(a.repeats)),
     "loop": ("loop overhead and the verify cost curve on a random ~31M model",
              lambda a, m, o: parts.suite_loop(a.repeats)),

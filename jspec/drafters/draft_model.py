@@ -129,7 +129,8 @@ class ModelDrafter(Drafter):
 
     cache, tokens_BxM, parents_BxM, q_logits = tree.grow(expand, cache, None, logits_BxV, spec.draft_len,
                                                          spec.tree.top_k, spec.tree.nodes,
-                                                         tree.children(spec, keys_Bx2, context.sampling))
+                                                         tree.children(spec, keys_Bx2, context.sampling),
+                                                         context.constraint)
     return cache.rewind(n), TreeProposal(tokens_BxM, parents_BxM, q_logits, tree.rule(spec))
 
   def observe(self, weights: DraftWeights, cache: kvcache.KVCache, context: DraftContext, hidden_BxSxD: jax.Array,

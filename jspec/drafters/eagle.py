@@ -147,7 +147,8 @@ class EagleDrafter(Drafter):
     parent_feature = jnp.broadcast_to(feature_BxD[:, None], (n.shape[0], top_k, feature_BxD.shape[-1]))
     cache, tokens_BxM, parents_BxM, q_logits = tree.grow(expand, cache, parent_feature, logits_BxV, spec.draft_len,
                                                          top_k, spec.tree.nodes,
-                                                         tree.children(spec, keys_Bx2, context.sampling))
+                                                         tree.children(spec, keys_Bx2, context.sampling),
+                                                         context.constraint)
     proposal = TreeProposal(tokens_BxM, parents_BxM, q_logits, tree.rule(spec))
     return EagleState(cache.rewind(jnp.maximum(n - 1, 0)), state.features), proposal
 
