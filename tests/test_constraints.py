@@ -168,11 +168,16 @@ def test_streaming_with_few_slots_decodes_what_one_batch_does(target, plain):
   draft = testing.random_draft("eagle", target)
   s = jspec.stream(target, PROMPTS + PROMPTS[2:3], draft=draft, max_new_tokens=40, batch_size=2,
                    constraint=ROWS + [None], spec=testing.fixed_k(3))
-  out = {}
+  out, reasons = {}, {}
   for delta in s:
     out.setdefault(delta.index, []).extend(delta.token_ids)
+    if delta.finished:
+      reasons[delta.index] = delta.finish_reason
   assert [out[i] for i in range(len(PROMPTS))] == plain.token_ids
   assert out[4] == plain.token_ids[2]
+  # A constrained text ends with EOS when it is complete, and says "length" where max_new_tokens cut it.
+  assert [reasons[i] for i in range(len(PROMPTS))] == ["length" if len(ids) == 40 else "stop"
+                                                       for ids in plain.token_ids]
 
 
 def test_constraints_of_one_bucket_do_not_retrace(target):
@@ -213,3 +218,16 @@ def test_tables_stay_small_and_are_cached(target):
   assert constraints.compile(jspec.JsonSchema(json.dumps(SCHEMA)), vocabulary) is tables
   dense = tables.num_states * target.config.vocab_size * 4  # a [states, V] table
   assert tables.num_classes < 64 and 4 * tables.nbytes < dense
+
+
+def test_token_bytes_read_byte_level_and_sentencepiece_vocabularies(target):
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+  byte_level = constraints.token_bytes(target.tokenizer)
+  ids = [target.tokenizer.token_to_id(t) for t in ("\u0120", "a", "\u010a")]
+  assert [byte_level[i] for i in ids] == [b" ", b"a", b"\n"]
+  assert target.config.eos_id not in byte_level  # special tokens are never allowed
+  spm = Tokenizer(models.BPE(vocab={"\u2581the": 0, "<0x0A>": 1, "a\u2581b": 2}, merges=[]))
+  spm.pre_tokenizer = pre_tokenizers.Metaspace()
+  spm.decoder = decoders.Metaspace()
+  spm.add_special_tokens([AddedToken("<s>", special=True)])
+  assert constraints.token_bytes(spm) == {0: b" the", 1: b"\n", 2: b"a b"}

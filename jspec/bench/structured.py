@@ -29,6 +29,29 @@ FUNCTION_SCHEMA = {"type": "object", "properties": {
 JSON_PROMPT = "\n\n# The function above, described as JSON:\n# "
 
 
+def table_sizes(vocab_size: int = 128_000) -> dict:
+  """Compiled table sizes over a large vocabulary: a byte-level BPE of `vocab_size` tokens learned on the
+  training corpus (the size of Llama 3's), for the benchmark's schema, JSON mode and a permissive regex."""
+  import time
+
+  from jspec.tokenizer import EOS_TOKEN, train_bpe
+  from jspec.training import data
+  begin = time.perf_counter()
+  tok = train_bpe(data.read_texts("train"), vocab_size)
+  out = {"vocab_size": tok.get_vocab_size(), "bpe_seconds": time.perf_counter() - begin, "constraints": {}}
+  vocabulary = constraints.Vocabulary.of(tok, [tok.token_to_id(EOS_TOKEN)], tok.get_vocab_size())
+  for name, constraint in [("function_schema", jspec.JsonSchema(FUNCTION_SCHEMA)),
+                           ("json_object", constraints.JSON_OBJECT), ("permissive", PERMISSIVE)]:
+    begin = time.perf_counter()
+    tables = constraints.compile(constraint, vocabulary)
+    shape = automaton.bucket([tables])
+    out["constraints"][name] = {"states": tables.num_states, "classes": tables.num_classes,
+                                "compile_seconds": time.perf_counter() - begin,
+                                "bucket": shape, "device_bytes_per_row": automaton.nbytes(1, out["vocab_size"], shape)}
+    print(json.dumps({name: out["constraints"][name]}), file=sys.stderr)
+  return out
+
+
 def forced_fraction(target, constraint, token_ids: list[int]) -> float:
   """The fraction of a constrained output's tokens that were the only token the automaton allowed."""
   vocabulary = constraints.Vocabulary.of(target.tokenizer, target.config.stop_ids, target.config.vocab_size)
@@ -76,7 +99,8 @@ def suite_structured(pair: Models, kinds: list[str], max_new: int, repeats: int,
     print(json.dumps(row), file=sys.stderr)
   medians = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
   return {"drafters": kinds, "max_new_tokens": max_new, "prompts": len(prompts), "rows": rows, "medians": medians,
-          "min": {k: min(r[k] for r in rows) for k in medians}, "schema": FUNCTION_SCHEMA}
+          "min": {k: min(r[k] for r in rows) for k in medians}, "schema": FUNCTION_SCHEMA,
+          "tables_128k": table_sizes()}
 
 
 def _valid(text: str) -> bool:
