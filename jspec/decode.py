@@ -9,7 +9,10 @@ Invariants at the top of every round, for each row b with `n = seq_lens[b]` toke
 the target cache holds tokens `[0, n-1)`, and token n-1 is fed by the next target forward, so every round
 looks alike. What the drafter holds is its own business (see `jspec.drafters`); the loop only asks it for
 proposals and tells it what the target saw. Done rows still ride along in the batched forwards, but their
-lengths no longer move, so they write only into slots they already own.
+lengths no longer move, so they write only into slots they already own. A constrained row's automaton state
+(`jspec.automaton`) is the state after its committed tokens; every target distribution the round reads is
+masked by the state along the draft path before it, so argmax, sampling and rejection all work on the
+constrained target.
 """
 from __future__ import annotations
 
@@ -209,7 +212,8 @@ def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> D
   n = state.seq_lens_B
   logits, hidden, cache = model.forward(decoder.target_params, _gather(state.tokens_BxT, n[:, None] - 1),
                                         n[:, None] - 1, state.target_cache, decoder.target_config)
-  logits = _constrain(state, logits, None if state.constraint is None else state.constraint.state_B[:, None])
+  if state.constraint is not None:
+    logits = state.constraint.mask(logits, state.constraint.state_B[:, None])
   token = next_token(keys_Bx2, logits[:, 0], state.sampling)
   active = ~state.done_B
   state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
@@ -218,12 +222,6 @@ def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> D
   if decoder.drafter is not None:
     state = _observe(decoder, state, hidden, n)
   return state
-
-
-def _constrain(state: DecodeState, logits_BxSxV: jax.Array, states_BxS: jax.Array | None) -> jax.Array:
-  """The target's logits at S chunk entries, masked by each entry's automaton state when rows are
-  constrained: every rule downstream (argmax, sampling, rejection) then works on the constrained target."""
-  return logits_BxSxV if state.constraint is None else state.constraint.mask(logits_BxSxV, states_BxS)
 
 
 def _observe(decoder: Decoder, state: DecodeState, hidden_BxSxD: jax.Array, n_B: jax.Array) -> DecodeState:
@@ -272,8 +270,8 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
   positions_BxK1 = n[:, None] - 1 + jnp.arange(draft_len + 1)
   logits_BxK1xV, hidden, target_cache = model.forward(decoder.target_params, chunk_BxK1, positions_BxK1,
                                                       state.target_cache, decoder.target_config)
-  if state.constraint is not None:
-    logits_BxK1xV = _constrain(state, logits_BxK1xV, state.constraint.path_states(draft_BxK))
+  if state.constraint is not None:  # each entry masked by the state its draft prefix reaches
+    logits_BxK1xV = state.constraint.mask(logits_BxK1xV, state.constraint.path_states(draft_BxK))
   if decoder.spec.typical_acceptance:
     n_accepted, token = verify_typical(keys_Bx2, draft_BxK, probabilities(logits_BxK1xV, state.sampling))
   else:  # q and p go through the same transform; an all-greedy batch needs only argmaxes.
@@ -306,9 +304,9 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
   logits_BxM1xV, hidden, target_cache = model.forward(
       decoder.target_params, chunk_BxM1, n[:, None] - 1 + tree.depths(mask_BxM1xM1), state.target_cache,
       decoder.target_config, mask_BxM1xM1)
-  if state.constraint is not None:
+  if state.constraint is not None:  # each node masked by the state its path reaches
     states_BxM1 = state.constraint.tree_states(proposal.tokens_BxM, proposal.parents_BxM, depth)
-    logits_BxM1xV = _constrain(state, logits_BxM1xV, states_BxM1)
+    logits_BxM1xV = state.constraint.mask(logits_BxM1xV, states_BxM1)
   q_BxM1xV = None if proposal.logits_BxM1xV is None else probabilities(proposal.logits_BxM1xV, state.sampling)
   path_BxL1, n_accepted, token = lax.cond(
       is_greedy(state.sampling),

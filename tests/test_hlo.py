@@ -55,6 +55,19 @@ def test_no_full_cache_copy_in_loop_body(batch, kind):
     assert testing.loop_cache_copies(text, elements) == []
 
 
+def test_constraint_tables_are_not_copied_in_the_loop():
+  """Each row's automaton tables ride in the loop state like a cache: read by gathers, never copied."""
+  import jspec
+  from jspec import constraints
+  decoder, _ = _decoder_and_requests(4, "model-adaptive")
+  vocabulary = constraints.Vocabulary.of(testing.random_model(CONFIG).tokenizer, [256], CONFIG.vocab_size)
+  tables = constraints.compile(jspec.Regex("[a-z]{1,40}"), vocabulary)
+  requests = make_requests(decoder, [[0, 0, 0]] * 4, 8, capacity_slots=512, constraints=[tables] * 4,
+                           constraint_shape=(128, 24))
+  text = engine.lower(decoder, requests).compile().as_text()
+  assert testing.loop_cache_copies(text, 4 * 128 * 24) == []
+
+
 def test_segments_update_the_donated_state_in_place():
   """The segment loop (streaming) copies no cache either, and inserting a prompt into a running batch
   writes into the donated state's buffers."""
