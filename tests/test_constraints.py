@@ -66,7 +66,8 @@ def test_the_automaton_allows_what_the_regex_allows_along_every_short_path(law_v
 KINDS = [("plain", (1.0, 0, 1.0), None), ("model", (1.0, 0, 1.0), None), ("eagle", (0.7, 3, 1.0), None),
          ("medusa", (1.0, 0, 0.8), None), ("ngram", (1.0, 0, 1.0), None),
          ("eagle", (1.0, 0, 1.0), TreeConfig(top_k=3, nodes=6)),
-         ("model", (0.7, 3, 1.0), TreeConfig(top_k=3, nodes=6, sampled=True))]
+         ("model", (0.7, 3, 1.0), TreeConfig(top_k=3, nodes=6, sampled=True)),
+         ("medusa", (1.0, 0, 0.8), TreeConfig(top_k=3, nodes=6))]
 
 
 @pytest.mark.parametrize("kind,sp,shape", KINDS, ids=[f"{k}-t{t}-topk{tk}-topp{tp}{'-tree' * bool(s)}"
