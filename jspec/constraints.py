@@ -167,30 +167,73 @@ def compile(constraint: Constraint, vocabulary: Vocabulary) -> Tables:
   except Exception as e:  # outlines-core raises ValueError, or its own errors, for a regex it cannot build
     reason = str(e).split(". This may be")[0]
     raise ValueError(f"cannot compile the constraint {_short(pattern)}: {reason}") from None
+  moves_U, final_U = _moves(index, vocabulary.stop_ids)
+  stuck_U = np.asarray([len(ids) == 0 for ids, _ in moves_U])  # nothing allowed: the text can only end here
+  if stuck_U[0] and not final_U[0]:
+    raise ValueError(f"no token of this vocabulary can start the constraint {_short(pattern)}")
+  # Stop tokens keep the state where they are allowed (the row ends there anyway).
+  stop_ids = np.asarray(vocabulary.stop_ids, np.int64)
+  moves_U = [(np.concatenate([ids, stop_ids]), np.concatenate([to, np.full(len(stop_ids), u, np.int32)]))
+             if final_U[u] or stuck_U[u] else (ids, to) for u, (ids, to) in enumerate(moves_U)]
+  tables = _compress(moves_U, len(vocabulary.tokens))
+  if not _reaches_final(tables.next_UxY, np.flatnonzero(final_U)):
+    raise ValueError(f"the constraint {_short(pattern)} cannot be completed with this vocabulary")
+  return tables
+
+
+def _moves(index, stop_ids: tuple[int, ...]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+  """Each state's allowed ordinary tokens and the states they lead to, as arrays, with states numbered
+  from 0 (the start; the others in outlines-core's order), and which states accept."""
   transitions = index.get_transitions()
   initial = index.get_initial_state()
-  # State 0 is the start; the others are numbered in outlines-core's order.
-  order = [initial] + sorted(s for s in transitions if s != initial)
-  number = {s: i for i, s in enumerate(order)}
-  vocab_size, stop_ids = len(vocabulary.tokens), list(vocabulary.stop_ids)
-  next_UxV = np.full((len(order), vocab_size), -1, np.int32)
-  for s, moves in transitions.items():
-    ids = np.fromiter(moves.keys(), np.int64, len(moves))
-    to = np.fromiter((number.get(t, -1) for t in moves.values()), np.int32, len(moves))
-    next_UxV[number[s], ids] = to
-  final = np.zeros(len(order), bool)
-  for s in index.get_final_states():
-    if s in number:
-      final[number[s]] = True
-  next_UxV[:, stop_ids] = -1
-  stuck = (next_UxV < 0).all(1)  # nothing allowed: the text can only end here
-  if stuck[0] and not final[0]:
-    raise ValueError(f"no token of this vocabulary can start the constraint {_short(pattern)}")
-  next_UxV[:, stop_ids] = np.where(final | stuck, np.arange(len(order)), -1)[:, None]
-  if not _reaches_final(next_UxV, final):
-    raise ValueError(f"the constraint {_short(pattern)} cannot be completed with this vocabulary")
-  classes_YxU, class_V = np.unique(next_UxV.T, axis=0, return_inverse=True)
-  return Tables(class_V.reshape(-1).astype(np.int32), np.ascontiguousarray(classes_YxU.T, np.int32))
+  raw = {}
+  for state, table in transitions.items():
+    ids = np.fromiter(table.keys(), np.int64, len(table))
+    to = np.fromiter(table.values(), np.int64, len(table))
+    ordinary = ~np.isin(ids, stop_ids)
+    raw[state] = (ids[ordinary], to[ordinary])
+  reached = np.unique(np.concatenate([to for _, to in raw.values()] + [np.asarray([initial], np.int64)]))
+  order = np.asarray([initial] + sorted((set(raw) | set(reached.tolist())) - {initial}), np.int64)
+  sorted_states, number_of_sorted = np.sort(order), np.argsort(order).astype(np.int32)
+  renumber = lambda states: number_of_sorted[np.searchsorted(sorted_states, states)]
+  empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+  moves = [(ids, renumber(to)) for ids, to in (raw.get(state, empty) for state in order.tolist())]
+  final = np.isin(order, np.asarray(sorted(index.get_final_states()), np.int64))
+  return moves, final
+
+
+def _compress(moves_U: list[tuple[np.ndarray, np.ndarray]], vocab_size: int, seed: int = 0) -> Tables:
+  """The tables of an automaton given as each state's (tokens, next states): tokens with the same next
+  state from every state share a class. Columns are grouped by a random 64-bit hash of the column (no
+  `[states, V]` table is ever built), and every token is checked against its class's representative:
+  a collision, never seen, rehashes with another seed."""
+  weight_U = np.random.default_rng(seed).integers(1, 2 ** 63, len(moves_U), dtype=np.uint64) | np.uint64(1)
+  hash_V = np.zeros(vocab_size, np.uint64)
+  for (ids, to), weight in zip(moves_U, weight_U):
+    hash_V[ids] += (to.astype(np.uint64) + np.uint64(1)) * weight  # wraps modulo 2**64
+  _, representative_Y, class_V = np.unique(hash_V, return_index=True, return_inverse=True)
+  class_V = class_V.reshape(-1).astype(np.int32)
+  next_UxY = np.full((len(moves_U), len(representative_Y)), -1, np.int32)
+  row_V = np.empty(vocab_size, np.int32)
+  for u, (ids, to) in enumerate(moves_U):
+    row_V.fill(-1)
+    row_V[ids] = to
+    next_UxY[u] = row_V[representative_Y]
+    if not np.array_equal(next_UxY[u, class_V], row_V):
+      return _compress(moves_U, vocab_size, seed + 1)
+  return Tables(class_V, next_UxY)
+
+
+def _reaches_final(next_UxY: np.ndarray, final_U: np.ndarray) -> bool:
+  """Whether an accepting state (of those listed) is reachable from the start."""
+  seen, frontier = {0}, [0]
+  while frontier:
+    u = frontier.pop()
+    for t in np.unique(next_UxY[u][next_UxY[u] >= 0]).tolist():
+      if t not in seen:
+        seen.add(t)
+        frontier.append(t)
+  return bool(seen & set(final_U.tolist()))
 
 
 def compile_rows(constraint: Constraint | Sequence[Constraint | None] | None, vocabulary: Vocabulary,
@@ -207,20 +250,6 @@ def compile_rows(constraint: Constraint | Sequence[Constraint | None] | None, vo
   if all(c is None for c in listed):
     return None
   return [None if c is None else compile(c, vocabulary) for c in listed]
-
-
-def _reaches_final(next_UxV: np.ndarray, final_U: np.ndarray) -> bool:
-  """Whether an accepting state is reachable from the start."""
-  seen, frontier = {0}, [0]
-  while frontier:
-    s = frontier.pop()
-    if final_U[s]:
-      return True
-    for t in np.unique(next_UxV[s][next_UxV[s] >= 0]).tolist():
-      if t not in seen:
-        seen.add(t)
-        frontier.append(t)
-  return False
 
 
 def _short(pattern: str, limit: int = 60) -> str:

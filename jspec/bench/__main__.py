@@ -92,6 +92,8 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
     "structured": ("constraints: a permissive one's cost, and constrained speculative against constrained plain",
                    lambda a, m, o: structured.suite_structured(m, _kinds(a), a.max_new_tokens, a.repeats,
                                                                a.prompts)),
+    "tables": ("constraint tables over a 128k-token vocabulary: states, classes, bytes, compile time",
+               lambda a, m, o: structured.table_sizes()),
     "step": ("decode-step costs on a random model", lambda a, m, o: parts.suite_step(a.repeats)),
     "loop": ("loop overhead and the verify cost curve on a random ~31M model",
              lambda a, m, o: parts.suite_loop(a.repeats)),

@@ -100,8 +100,7 @@ def suite_structured(pair: Models, kinds: list[str], max_new: int, repeats: int,
     print(json.dumps(row), file=sys.stderr)
   medians = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
   return {"drafters": kinds, "max_new_tokens": max_new, "prompts": len(prompts), "rows": rows, "medians": medians,
-          "min": {k: min(r[k] for r in rows) for k in medians}, "schema": FUNCTION_SCHEMA,
-          "tables_128k": table_sizes()}
+          "min": {k: min(r[k] for r in rows) for k in medians}, "schema": FUNCTION_SCHEMA}
 
 
 def _valid(text: str) -> bool:
