@@ -1,7 +1,7 @@
 """Each row's constraint automaton in the decode loop: its tables and its current state, as arrays.
 
-A row's tables (`jspec.constraints.Tables`, padded to the batch's bucket) map each token to a class
-(`class_BxV`) and each (state, class) to the next state (`next_BxUxY`, -1: not allowed). A row without a
+A row's tables (`Tables`, compiled by `jspec.constraints`, padded to the batch's bucket) map each token to
+a class (`class_BxV`) and each (state, class) to the next state (`next_BxUxY`, -1: not allowed). A row without a
 constraint has one state that allows every token. The state moves only when tokens are committed, so
 rewinding the cache needs nothing here; proposals and verification read the states along a draft path
 (`path_states`, `tree_states`) and mask logits by them (`mask`). A path that leaves the automaton (a token
@@ -13,6 +13,7 @@ looked up at once.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import flax.struct
@@ -20,9 +21,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.constraints import Tables
-
 MIN_BUCKET = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """A compiled constraint, on the host: `class_V[v]` is token v's class, `next_UxY[s, c]` the state after a
+  token of class c in state s (-1: not allowed); state 0 is the start."""
+  class_V: np.ndarray  # int32
+  next_UxY: np.ndarray  # int32
+
+  @property
+  def num_states(self) -> int:
+    return self.next_UxY.shape[0]
+
+  @property
+  def num_classes(self) -> int:
+    return self.next_UxY.shape[1]
+
+  @property
+  def nbytes(self) -> int:
+    return self.class_V.nbytes + self.next_UxY.nbytes
 
 
 @flax.struct.dataclass

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from jspec.automaton import Tables
+
 # JSON Schema whitespace between tokens: at most one space, so a valid object completes within a small
 # budget of tokens (an unbounded whitespace pattern lets a sampled row pad forever).
 JSON_WHITESPACE = r"[ ]?"
@@ -78,26 +80,6 @@ JSON_OBJECT = JsonSchema({"type": "object"})
 def _escape(text: str) -> str:
   """`text` as a literal in Rust regex syntax."""
   return "".join("\\" + ch if ch in r"\.+*?()|[]{}^$#&-~" else ch for ch in text)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tables:
-  """A compiled constraint, on the host: `class_V[v]` is token v's class, `next_UxY[s, c]` the state after a
-  token of class c in state s (-1: not allowed); state 0 is the start."""
-  class_V: np.ndarray  # int32
-  next_UxY: np.ndarray  # int32
-
-  @property
-  def num_states(self) -> int:
-    return self.next_UxY.shape[0]
-
-  @property
-  def num_classes(self) -> int:
-    return self.next_UxY.shape[1]
-
-  @property
-  def nbytes(self) -> int:
-    return self.class_V.nbytes + self.next_UxY.nbytes
 
 
 def token_bytes(tokenizer: Tokenizer) -> dict[int, bytes]:

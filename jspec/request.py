@@ -17,8 +17,7 @@ import numpy as np
 
 from jspec import automaton
 from jspec import cache as kvcache
-from jspec.automaton import Automata
-from jspec.constraints import Tables
+from jspec.automaton import Automata, Tables
 from jspec.sampling import SamplingParams, sampling_arrays
 from jspec.settings import SamplingConfig
 

@@ -174,6 +174,8 @@ def place(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
     specs = jax.tree.map(lambda _: PartitionSpec(), tree)
 
   def put(x, spec):
+    if x is None:  # an absent part (a batch without constraints)
+      return None
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
   return jax.tree.map(put, tree, specs, is_leaf=lambda x: x is None)

@@ -34,6 +34,9 @@ target = testing.random_model(CONFIG, seed=0, scale=2.0)
 draft = testing.random_model(DRAFT, seed=1, scale=2.0)
 prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 6, [100, 200, 30, 40, 50], [7], [3, 3], [250, 1], [60, 61, 62]]
 FIXED = testing.fixed_k(3)  # every round verifies on the mesh
+# The same target with an EOS, for constraints (which end the text there); free and constrained rows mixed.
+ENDING = dataclasses.replace(target, config=dataclasses.replace(CONFIG, eos_id=256))
+CONSTRAINTS = [jspec.Regex("[a-z]{2,9}"), None, jspec.Choice(["yes", "no"]), jspec.Regex("[0-9]+")] * 2
 
 
 def runs(mesh):
@@ -43,7 +46,9 @@ def runs(mesh):
           "spec_replicated_draft": jspec.generate(target, prompts, draft=draft, spec=FIXED, shard_draft=False,
                                                   **kw).token_ids,
           "sampled": jspec.generate(target, prompts, draft=draft, spec=FIXED, temperature=1.0, seed=3,
-                                    **kw).token_ids}
+                                    **kw).token_ids,
+          "constrained": jspec.generate(ENDING, prompts, draft=draft, spec=FIXED, constraint=CONSTRAINTS,
+                                        **kw).token_ids}
 
 
 def collectives(mesh, mode):
