@@ -49,11 +49,9 @@ Constraints = Constraint | Sequence[Constraint | None] | None
 def _constraint_tables(target: Model, constraint: Constraints, rows: int,
                        ignore_eos: bool) -> list[constraints.Tables | None] | None:
   """Each prompt's compiled constraint (None: no prompt is constrained)."""
-  if constraint is not None and ignore_eos:
-    raise ValueError("ignore_eos cannot be combined with a constraint: a constrained text ends at its EOS")
   vocabulary = None if constraint is None else constraints.Vocabulary.of(
       target.tokenizer, target.config.stop_ids, target.config.vocab_size)
-  return constraints.compile_rows(constraint, vocabulary, rows)
+  return constraints.compile_rows(constraint, vocabulary, rows, ignore_eos)
 
 
 def _mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:

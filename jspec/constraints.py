@@ -219,11 +219,13 @@ def _reaches_final(next_UxY: np.ndarray, final_U: np.ndarray) -> bool:
 
 
 def compile_rows(constraint: Constraint | Sequence[Constraint | None] | None, vocabulary: Vocabulary,
-                 rows: int) -> list[Tables | None] | None:
+                 rows: int, ignore_eos: bool = False) -> list[Tables | None] | None:
   """Each row's tables from one constraint for every row or one per row (None: a free row); None when
-  no row is constrained."""
+  no row is constrained. A constrained text ends at its EOS, so `ignore_eos` refuses any constraint."""
   if constraint is None:
     return None
+  if ignore_eos:
+    raise ValueError("ignore_eos cannot be combined with a constraint: a constrained text ends at its EOS")
   listed = constraint if isinstance(constraint, list | tuple) else [constraint] * rows
   if len(listed) != rows:
     raise ValueError(f"got constraints for {len(listed)} prompts, not {rows}")

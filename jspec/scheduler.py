@@ -149,10 +149,10 @@ class Engine:
     self._running: list[_Running | None] = [None] * slots
     self._retire_B = np.ones((slots,), bool)  # rows to end at the next segment (idle or aborted)
     self._state = None
-    self._device_stats = None
+    self._device_stats = None  # the statistics after the last segment, on the host
     # The running batch's constraint automata are (states, classes) tables of this bucket, or absent while
     # no row is constrained; a constrained request that needs a bigger bucket grows it (a new program).
-    self._constraint_shape: tuple[int, int] | None = None  # the statistics after the last segment, on the host
+    self._constraint_shape: tuple[int, int] | None = None
 
   # --- requests in (any thread) ---
 
@@ -175,11 +175,9 @@ class Engine:
     """The request's compiled constraint (cached), or None."""
     if req.constraint is None:
       return None
-    if req.ignore_eos:
-      raise ValueError("ignore_eos cannot be combined with a constraint: a constrained text ends at its EOS")
     config = self.decoder.target_config
     vocabulary = constraints.Vocabulary.of(self.tokenizer, config.stop_ids, config.vocab_size)
-    return constraints.compile_rows([req.constraint], vocabulary, 1)[0]
+    return constraints.compile_rows([req.constraint], vocabulary, 1, req.ignore_eos)[0]
 
   def add(self, req: Request, request_id: Hashable | None = None) -> Hashable:
     """Queues a request (checked first); returns its id (`request_id`, else a new integer)."""
