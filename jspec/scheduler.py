@@ -339,6 +339,8 @@ class Engine:
   def _call(self, name: str, jitted, *args, **static):
     """Runs `jitted` (through `_executable`)."""
     executable = self._executable(name, jitted, args, **static)
+    if self.decoder.layout is not None:  # a segment may return the state sharded otherwise than an insert takes it
+      args = jax.device_put(args, executable.input_shardings[0])
     begin = time.perf_counter()
     out = executable(*args)
     if name != "segment":

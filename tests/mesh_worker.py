@@ -48,7 +48,20 @@ def runs(mesh):
           "sampled": jspec.generate(target, prompts, draft=draft, spec=FIXED, temperature=1.0, seed=3,
                                     **kw).token_ids,
           "constrained": jspec.generate(ENDING, prompts, draft=draft, spec=FIXED, constraint=CONSTRAINTS,
-                                        **kw).token_ids}
+                                        **kw).token_ids,
+          "continuous": continuous(mesh)}
+
+
+def continuous(mesh):
+  """Twelve prompts through eight slots (continuous batching: finished rows take new prompts in place),
+  where the mesh lays caches out by batch row."""
+  if mesh is not None and sharding.cache_layout(8, CONFIG, mesh).heads_major:
+    return None
+  more = prompts + [p[::-1] + [11] for p in prompts[:4]]
+  out = [[] for _ in more]
+  for delta in jspec.stream(target, more, draft=draft, spec=FIXED, max_new_tokens=12, batch_size=8, mesh=mesh):
+    out[delta.index].extend(delta.token_ids)
+  return out
 
 
 def collectives(mesh, mode):
