@@ -68,6 +68,11 @@ class Decoder:
     return DraftWeights(self.drafter_params, self.target_params)
 
   @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """The target layers whose outputs the drafter reads (none: the final-normed hidden state)."""
+    return () if self.drafter is None else self.drafter.feature_layers
+
+  @property
   def headroom(self) -> int:
     """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
     if self.drafter is None:
@@ -166,7 +171,7 @@ def start(decoder: Decoder, requests: Requests, capacity: int | None = None) -> 
     state = decoder.layout.constrain_caches(state)
   prompts_BxP, lens_B = requests.prompts_BxP, requests.prompt_lens_B
   hidden_BxPxD, target_cache = model.prefill(decoder.target_params, decoder.target_config, state.target_cache,
-                                             prompts_BxP, lens_B)
+                                             prompts_BxP, lens_B, decoder.feature_layers)
   state = state.replace(target_cache=target_cache.rewind(lens_B - 1))  # the last prompt token is pending
   if decoder.drafter is not None:
     state = state.replace(drafter_state=decoder.drafter.prefill(decoder.weights, state.drafter_state, prompts_BxP,
@@ -211,7 +216,8 @@ def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> D
   """One target forward, one token per row; a drafter, if any, sees the target's features."""
   n = state.seq_lens_B
   logits, hidden, cache = model.forward(decoder.target_params, _gather(state.tokens_BxT, n[:, None] - 1),
-                                        n[:, None] - 1, state.target_cache, decoder.target_config)
+                                        n[:, None] - 1, state.target_cache, decoder.target_config,
+                                        feature_layers=decoder.feature_layers)
   if state.constraint is not None:
     logits = state.constraint.mask(logits, state.constraint.state_B[:, None])
   token = next_token(keys_Bx2, logits[:, 0], state.sampling)
@@ -269,7 +275,8 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
   chunk_BxK1 = jnp.concatenate([_gather(state.tokens_BxT, n[:, None] - 1), draft_BxK], axis=1)
   positions_BxK1 = n[:, None] - 1 + jnp.arange(draft_len + 1)
   logits_BxK1xV, hidden, target_cache = model.forward(decoder.target_params, chunk_BxK1, positions_BxK1,
-                                                      state.target_cache, decoder.target_config)
+                                                      state.target_cache, decoder.target_config,
+                                                      feature_layers=decoder.feature_layers)
   if state.constraint is not None:  # each entry masked by the state its draft prefix reaches
     logits_BxK1xV = state.constraint.mask(logits_BxK1xV, state.constraint.path_states(draft_BxK))
   if decoder.spec.typical_acceptance:
@@ -303,7 +310,7 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
   chunk_BxM1 = jnp.concatenate([_gather(state.tokens_BxT, n[:, None] - 1), proposal.tokens_BxM], axis=1)
   logits_BxM1xV, hidden, target_cache = model.forward(
       decoder.target_params, chunk_BxM1, n[:, None] - 1 + tree.depths(mask_BxM1xM1), state.target_cache,
-      decoder.target_config, mask_BxM1xM1)
+      decoder.target_config, mask_BxM1xM1, decoder.feature_layers)
   if state.constraint is not None:  # each node masked by the state its path reaches
     states_BxM1 = state.constraint.tree_states(proposal.tokens_BxM, proposal.parents_BxM, depth)
     logits_BxM1xV = state.constraint.mask(logits_BxM1xV, states_BxM1)

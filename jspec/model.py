@@ -122,10 +122,11 @@ def _mlp(layer: Params, h_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
 
 
 def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
-            attend: AttendFn, rope_len_B: jax.Array | None = None) -> jax.Array:
+            attend: AttendFn, rope_len_B: jax.Array | None = None, outputs: list | None = None) -> jax.Array:
   """The decoder layers `params["layers"]` over input vectors; returns the residual stream [B,S,D].
 
   `rope_len_B`: each row's final length, which only dynamic-NTK RoPE reads (default: the positions given).
+  `outputs`, when given, receives the residual stream after each layer.
   """
   batch, seq, _ = x_BxSxD.shape
   heads = lambda x, n: x.reshape(batch, seq, n, config.head_dim)
@@ -146,6 +147,8 @@ def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, co
     if config.sandwich_norms:
       out = rms_norm(out, layer["post_mlp_norm"], config)
     x_BxSxD = x_BxSxD + out
+    if outputs is not None:
+      outputs.append(x_BxSxD)
   return x_BxSxD
 
 
@@ -161,22 +164,32 @@ def trunk(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, confi
   return rms_norm(x_BxSxD, params["final_norm"], config)
 
 
+def features(hidden_BxSxD: jax.Array, outputs: list, feature_layers: tuple[int, ...]) -> jax.Array:
+  """What a forward hands a drafter: the final-normed hidden state, or with `feature_layers` the residual
+  streams after those layers side by side, [B,S,len(feature_layers)*D] (EAGLE-3's low, middle and high)."""
+  return jnp.concatenate([outputs[i] for i in feature_layers], -1) if feature_layers else hidden_BxSxD
+
+
 def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
-            config: ModelConfig, tree_BxSxA: jax.Array | None = None) -> tuple[jax.Array, jax.Array, kvcache.KVCache]:
+            config: ModelConfig, tree_BxSxA: jax.Array | None = None,
+            feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, kvcache.KVCache]:
   """One forward over S new tokens per row, written into the cache at each row's length.
 
   The same code serves prefill (S = padded prompt), one-token decode and verification (S = K+1, or a
   draft tree's entries with their ancestor mask `tree_BxSxA` and positions base + depth; `jspec.tree`).
-  Returns `(logits [B,S,V] fp32, hidden [B,S,D], cache)` with `cache.lengths` advanced by S.
+  Returns `(logits [B,S,V] fp32, hidden [B,S,D], cache)` with `cache.lengths` advanced by S; `hidden` is
+  as `features` makes it.
   """
+  outputs = []
   x_BxSxD, cache = cached_layer_stack(params, embed(params, tokens_BxS, config), positions_BxS, cache, config,
-                                  tree_BxSxA)
+                                      tree_BxSxA, outputs)
   hidden = rms_norm(x_BxSxD, params["final_norm"], config)
-  return logits_from_hidden(params, hidden, config), hidden, cache
+  return logits_from_hidden(params, hidden, config), features(hidden, outputs, feature_layers), cache
 
 
 def cached_layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
-                   config: ModelConfig, tree_BxSxA: jax.Array | None = None) -> tuple[jax.Array, kvcache.KVCache]:
+                   config: ModelConfig, tree_BxSxA: jax.Array | None = None,
+                   outputs: list | None = None) -> tuple[jax.Array, kvcache.KVCache]:
   """`layer_stack` over S new input vectors per row, written into the cache at each row's length."""
   ks, vs = list(cache.k), list(cache.v)
 
@@ -186,23 +199,27 @@ def cached_layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Ar
     return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major,
                                       tree_BxSxA=tree_BxSxA, **attention_options(config, i))
 
-  x_BxSxD = layer_stack(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len)
+  x_BxSxD = layer_stack(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len, outputs)
   return x_BxSxD, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])
 
 
-def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-  """A full causal forward with no cache, positions 0..S-1: the reference for tests."""
+def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig,
+                 feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
+  """A full causal forward with no cache, positions 0..S-1 (the reference for tests): logits and `features`."""
   positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
-  hidden = trunk(params, tokens_BxS, positions, config, full_attention(config))
-  return logits_from_hidden(params, hidden, config), hidden
+  outputs = []
+  x_BxSxD = layer_stack(params, embed(params, tokens_BxS, config), positions, config, full_attention(config),
+                        outputs=outputs)
+  hidden = rms_norm(x_BxSxD, params["final_norm"], config)
+  return logits_from_hidden(params, hidden, config), features(hidden, outputs, feature_layers)
 
 
 def prefill(params: Params, config: ModelConfig, cache: kvcache.KVCache, prompts_BxP: jax.Array,
-            prompt_lens_B: jax.Array) -> tuple[jax.Array, kvcache.KVCache]:
+            prompt_lens_B: jax.Array, feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, kvcache.KVCache]:
   """Runs right-padded prompts through the model from an empty cache, batched; the cache then holds each
-  row's `prompt_lens` tokens. Returns the hidden states [B,P,D] (head drafters read them) and the cache."""
+  row's `prompt_lens` tokens. Returns the features [B,P,D'] (head drafters read them) and the cache."""
   batch, width = prompts_BxP.shape
   positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
   _, hidden, cache = forward(params, prompts_BxP, positions, cache.rewind(jnp.zeros_like(cache.lengths)),
-                             config)
+                             config, feature_layers=feature_layers)
   return hidden, cache.rewind(prompt_lens_B)

@@ -47,7 +47,7 @@ PARAM_AXES = {
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
     "wo": ("heads", "embed"), "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-    "fc": ("embed", "embed"),  # EAGLE's input projection
+    "fc": ("embed", "embed"), "fuse": ("embed", "embed"), "fuse_norm": ("embed",),  # EAGLE(-3) input projections
     "w": ("stack", "embed", "embed"), "b": ("stack", "embed"),  # Medusa heads
 }
 

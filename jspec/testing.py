@@ -79,6 +79,12 @@ def random_draft(kind: str, target: Model, seed: int = 1, heads: int = 5, scale:
   return None
 
 
+def random_eagle3(target: Model, seed: int = 1, scale: float = 0.5) -> drafters.Heads:
+  """A random EAGLE-3 head for `target`: it reads the default low, middle and high layers."""
+  layers = drafters.eagle.default_feature_layers(target.config.n_layers)
+  return random_heads(drafters.EagleDrafter.for_target(target.config, feature_layers=layers), seed, scale)
+
+
 def assert_target_argmax(target: Model, prompt_ids: list[int], out_ids: list[int]) -> None:
   """Every emitted token is the target's full-forward argmax, except at near-ties (top-2 gap < 1e-5)."""
   seq = np.asarray(prompt_ids + out_ids)[None]

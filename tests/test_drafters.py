@@ -58,13 +58,14 @@ def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
     assert jspec.generate(target, [p], seed=[5 + b], **kw).token_ids[0] == batched.token_ids[b]
 
 
-@pytest.mark.parametrize("kind", ["model", "medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["model", "medusa", "eagle", "eagle3"])
 def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
   prefill of the accepted text, including rows rejected in the middle of their draft."""
   draft_len, batch, width = 4, 16, 16
-  spec = SpecConfig(draft_len, drafter=kind, adaptive=None)
-  decoder = pairing.make_decoder(target, make_draft(kind, target), spec, batch)
+  draft = testing.random_eagle3(target) if kind == "eagle3" else make_draft(kind, target)
+  spec = SpecConfig(draft_len, drafter=kind.rstrip("3"), adaptive=None)
+  decoder = pairing.make_decoder(target, draft, spec, batch)
   ps = prompts(batch, seed=2)
   requests = make_requests(decoder, ps, 64, width=width)
   keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
@@ -154,3 +155,66 @@ def test_shipped_drafters_match_plain_decoding_on_the_small_shipped_target(kind)
                      draft_len=4)
   assert r.token_ids == jspec.generate(target, prompts, max_new_tokens=32).token_ids
   assert r.stats.acceptance_rate > 0.05  # proposals do get accepted
+
+
+def test_eagle3_reads_several_layers_and_decodes_losslessly(target):
+  """EAGLE-3 heads (low, middle and high layers fused) as a chain and a dynamic tree: greedy output is the
+  target's; sampled rows in a ragged batch equal each row alone; a save/load round trip keeps the layers."""
+  heads = testing.random_eagle3(target)
+  assert len(heads.drafter.feature_layers) >= 2 and heads.drafter.version == 3
+  ps = prompts(5, seed=3)
+  ar = jspec.generate(target, ps, max_new_tokens=20)
+  tree = SpecConfig(4, drafter="eagle", tree=jspec.TreeConfig(2, 6), adaptive=None)
+  for spec in (testing.fixed_k(4, drafter="eagle"), tree):
+    r = jspec.generate(target, ps, draft=heads, spec=spec, max_new_tokens=20)
+    assert r.token_ids == ar.token_ids and 0 < r.stats.acceptance_rate
+  kw = dict(draft=heads, spec=testing.fixed_k(3, drafter="eagle"), max_new_tokens=12, temperature=1.0)
+  batched = jspec.generate(target, ps[:3], seed=7, **kw)
+  for b, p in enumerate(ps[:3]):
+    assert jspec.generate(target, [p], seed=[7 + b], **kw).token_ids[0] == batched.token_ids[b]
+
+
+def test_eagle3_round_trip_and_eagle1_heads_still_load(target, tmp_path):
+  heads = testing.random_eagle3(target)
+  checkpoint.save_heads(heads, tmp_path / "eagle3")
+  loaded = jspec.load(tmp_path / "eagle3")
+  assert loaded.drafter == heads.drafter and loaded.drafter.feature_layers == heads.drafter.feature_layers
+  eagle1 = jspec.load(shipped.SMALL.drafts["eagle"])  # written before EAGLE-3 existed: no feature_layers
+  assert eagle1.drafter.feature_layers == () and eagle1.drafter.version == 1
+
+
+def test_training_time_test_unrolls_exactly_what_drafting_computes(target):
+  """The unrolled training pass (`ttt_loss`'s step j at position t) gives the same features as drafting:
+  real features fed to the cache up to t - j, then the head's own outputs for j steps."""
+  from jspec import cache as kvcache
+  from jspec import model
+  from jspec.drafters.eagle import unrolled_attention
+
+  heads = testing.random_eagle3(target, scale=1.0)
+  d, params, tp = heads.drafter, heads.params, target.params
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 13), 0, VOCAB)
+  feats = model.forward_full(tp, tokens[:, :-1], target.config, d.feature_layers)[1]
+  seq = feats.shape[1] - 1
+  positions = jnp.arange(seq)[None]
+  next_tokens = tokens[:, 1:-1]
+  feature, keys, values, outs = d._fused(params, feats[:, :-1]), [], [], []
+  for _ in range(3):
+    def attend(i, q, k, v):
+      keys.append(k)
+      values.append(v)
+      return unrolled_attention(q, keys, values, d.config.head_dim ** -0.5)
+    out = d._features(params, model.layer_stack(params, d._inputs(params, tp, feature, next_tokens), positions,
+                                                d.config, attend))
+    outs.append(out)
+    feature = jnp.roll(out, 1, axis=1)
+  for start in (0, 4, 7):
+    cache = kvcache.init_cache(d.config, 1, 128)
+    own, cache = d.step(params, tp, cache, d._fused(params, feats[:, :start + 1]), next_tokens[:, :start + 1],
+                        positions[:, :start + 1])
+    own = own[:, -1]
+    np.testing.assert_allclose(own, outs[0][:, start], atol=1e-5)
+    for j in (1, 2):
+      own, cache = d.step(params, tp, cache, own[:, None], next_tokens[:, start + j:start + j + 1],
+                          positions[:, start + j:start + j + 1])
+      own = own[:, 0]
+      np.testing.assert_allclose(own, outs[j][:, start + j], atol=1e-5)

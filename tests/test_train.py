@@ -134,3 +134,59 @@ def test_continuations_are_the_targets_text_and_a_draft_distills_on_them(tiny_ta
   draft = jspec.load(root / "draft-continued")
   r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, draft_len=3)
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
+
+
+def test_drafter_recipe_trains_each_kind_for_a_target_and_resumes(tiny_target, tmp_path):
+  """`python -m jspec.train drafter`: text files and JSONL in, the target's continuations, training, and a
+  drafter directory out (weights, cost model, τ on held-out prompts) that decodes losslessly; a rerun
+  resumes (continuations kept, training from its last step)."""
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i, text in enumerate(data.read_texts("validation")[:12]):
+    (docs / f"m{i}.py").write_text(text)
+  (docs / "notes.jsonl").write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"})
+                                              for i in range(20)))
+  target_dir = tiny_target / "target"
+  target = jspec.load(target_dir)
+  common = ["--target", str(target_dir), "--data", str(docs), "--sequences", "4", "--prompt-len", "8",
+            "--new-tokens", "6", "--slots", "2", "--batch", "2", "--seq-len", "24"]
+  for kind in ("eagle", "medusa", "model"):
+    out = tmp_path / kind
+    assert train.main(["drafter", "--kind", kind, "--out", str(out), "--steps", "4", *common]) == 0
+    draft = jspec.load(out)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == 4 and log["heldout_tau_k4"] >= 1.0
+    assert kind in json.loads((out / "cost_model.json").read_text())
+    if kind == "eagle":
+      assert draft.drafter.version == 3  # EAGLE-3 by default
+    r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, draft_len=3)
+    assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
+
+  # A rerun with more steps: the continuation parts are kept and training resumes at step 4.
+  work = tmp_path / "medusa.work"
+  parts = {p: p.stat().st_mtime_ns for p in work.rglob("*.npy") if "continuations" in p.parts}
+  assert len(parts) == 2  # one part per temperature
+  assert train.main(["drafter", "--kind", "medusa", "--out", str(tmp_path / "medusa"), "--steps", "6", *common]) == 0
+  assert {p: p.stat().st_mtime_ns for p in parts} == parts
+  assert [h["step"] for h in json.loads((tmp_path / "medusa" / "train_log.json").read_text())["history"]] == [5, 6]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--data", "missing-dir"], "no such file or directory"),
+    (["--data", "{bad}"], "expected a JSON object with a `text` or `prompt` field"),
+    (["--feature-layers", "low"], "--feature-layers: expected eagle3, last or layers"),
+    (["--feature-layers", "0,99"], "outside the target's"),
+])
+def test_drafter_recipe_refuses_bad_input_with_one_line(tiny_target, tmp_path, capsys, argv, message):
+  good = tmp_path / "good.txt"
+  good.write_text("def f(x):\n    return x\n" * 50)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "ok"}\n[1, 2]\n')
+  argv = [str(bad) if a == "{bad}" else a for a in argv]
+  base = ["drafter", "--kind", "eagle", "--target", str(tiny_target / "target"), "--out", str(tmp_path / "o"),
+          "--sequences", "0", "--steps", "1"]
+  if "--data" not in argv:
+    argv = ["--data", str(good), *argv]
+  assert train.main(base + argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1

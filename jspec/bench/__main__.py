@@ -3,6 +3,7 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
 
   python -m jspec.bench                              # the sweep: drafter x K x temperature x batch vs plain
   python -m jspec.bench --suite defaults --max-new-tokens 128 --also-drafters model   # what a user gets
+  python -m jspec.bench --suite drafters --draft-lens 2,4,6 --prompt-sets code,thirdparty,prose   # per drafter
   python -m jspec.bench --target DIR --draft eagle=DIR --suite defaults   # your own pair
   python -m jspec.bench --suite serving --drafters eagle   # the server: speculative against plain, over HTTP
   python -m jspec.bench --suite structured --drafters eagle,model,medusa,ngram   # under constraints
@@ -74,6 +75,10 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                                                            tuple(_ints(a.also_draft_lens)),
                                                            tuple(a.also_drafters.split(",")) if a.also_drafters
                                                            else (), _cost_model(a.also_cost_model))),
+    "drafters": ("every drafter with the CLI defaults at each --draft-lens, per prompt set, against plain decoding",
+                 lambda a, m, o: end_to_end.suite_drafters(m, _kinds(a), _ints(a.draft_lens),
+                                                           a.prompt_sets.split(","), a.max_new_tokens, a.repeats,
+                                                           a.prompts)),
     "adaptive": ("adaptive K and fallback against every fixed K",
                  lambda a, m, o: end_to_end.suite_adaptive(*parts.shipped_pair(m, _kinds(a)[0]), _kinds(a)[0],
                                                            a.max_new_tokens, a.repeats, a.prompts)),
@@ -139,7 +144,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--tree-depth", type=int, default=4, help="--suite tree: the trees' depth")
   ap.add_argument("--tree-shapes", default="2x8,4x16,4x32", help="--suite tree: top-k x nodes of each tree")
   ap.add_argument("--prompt-sets", default="code",
-                  help="comma-separated: code (held-out completions), edit (context editing), prose (English)")
+                  help="comma-separated: code (held-out stdlib completions), thirdparty (installed packages' code), "
+                       "edit (context editing), prose (English)")
   ap.add_argument("--with-hf", action="store_true",
                   help="the sweep: also Hugging Face transformers' assisted generation (needs [interop])")
   ap.add_argument("--rates", default="1,2,4", help="--suite serving: Poisson arrival rates, requests/s")

@@ -81,7 +81,7 @@ def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
     variants["spec_cost"] = dict(draft=dataclasses.replace(draft, cost_models={shipped.DEFAULT_DRAFTER: other_cost}))
   others = [f"k{k}" for k in draft_lens] + list(other_drafters) + ["cost"] * (other_cost is not None)
   out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
-  for name, batch in (("code", 1), ("prose", 1), ("code", 4)):
+  for name, batch in (("code", 1), ("thirdparty", 1), ("prose", 1), ("code", 4)):
     prompts = PROMPT_SETS[name](count)
     rows, last = [], {}
     for group in (prompts[i:i + batch] for i in range(0, len(prompts), batch)):
@@ -100,6 +100,37 @@ def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
                            f"min_{key}": min(r[key] for r in rows), f"max_{key}": max(r[key] for r in rows)}
     out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows, **summary("speedup"),
                                            **{k: v for x in others for k, v in summary(f"speedup_{x}").items()}}
+  return out
+
+
+def suite_drafters(pair: Models, kinds: list[str], draft_lens: list[int], sets: list[str], max_new: int,
+                   repeats: int, count: int) -> dict:
+  """Every drafter with the CLI's defaults (adaptive K up to each of `draft_lens`, the checkpoint's cost
+  model), greedy, batch 1, against plain decoding, interleaved per prompt, on each prompt set; every row
+  decodes `max_new` tokens (EOS ignored). Per prompt: speedup, τ, and the rounds the fallback made plain."""
+  target = jspec.load(pair.target)
+  drafts = {kind: shipped_pair(pair, kind)[1] for kind in kinds}
+  variants = {f"{kind}_k{k}": dict(draft=drafts[kind], spec=SpecConfig(drafter=kind), draft_len=k)
+              for kind in kinds for k in draft_lens}
+  out = {"max_new_tokens": max_new, "sets": {}}
+  for name in sets:
+    rows = []
+    for prompt in PROMPT_SETS[name](count):
+      last = {}
+      run = lambda v, **kw: last.__setitem__(v, jspec.generate(target, [prompt], max_new_tokens=max_new,
+                                                               ignore_eos=True, **kw))
+      fns = {"ar": lambda: run("ar"), **{v: lambda v=v: run(v, **kw) for v, kw in variants.items()}}
+      t = interleaved(fns, repeats)
+      rows.append({v: {"speedup": t["ar"] / t[v], "tau": last[v].stats.mean_accepted_length,
+                       "fallback_rounds": last[v].stats.fallback_rounds, "rounds": last[v].stats.rounds,
+                       "greedy_identical": last[v].token_ids == last["ar"].token_ids} for v in variants})
+      print(json.dumps({"set": name, **{v: round(r["speedup"], 3) for v, r in rows[-1].items()}}), file=sys.stderr)
+    out["sets"][name] = {v: {"median_speedup": statistics.median(r[v]["speedup"] for r in rows),
+                             "min_speedup": min(r[v]["speedup"] for r in rows),
+                             "max_speedup": max(r[v]["speedup"] for r in rows),
+                             "median_tau": statistics.median(r[v]["tau"] for r in rows),
+                             "greedy_identical": all(r[v]["greedy_identical"] for r in rows)} for v in variants}
+    out["sets"][name]["rows"] = rows
   return out
 
 

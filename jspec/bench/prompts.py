@@ -1,5 +1,10 @@
-"""The prompt sets the benchmarks decode: held-out standard-library code, context editing, English prose."""
+"""The prompt sets the benchmarks decode: held-out standard-library code, third-party package code, context
+editing, English prose."""
 from __future__ import annotations
+
+import importlib.util
+import itertools
+import pathlib
 
 import numpy as np
 
@@ -41,12 +46,12 @@ def prose_prompts(count: int) -> list[str]:
   return PROSE[:count]
 
 
-def heldout_prompts(count: int, max_chars: int = 600) -> list[str]:
-  """The start of a function in held-out stdlib files: everything up to and including a `def` line."""
+def function_starts(paths, count: int, max_chars: int = 600) -> list[str]:
+  """The start of a function in each file: everything up to and including its first `def` line past line 5
+  (the last `max_chars` characters), from the first `count` files that have one."""
   prompts = []
-  for path in data.corpus_files("heldout"):
-    text = path.read_text(encoding="utf-8", errors="replace")
-    lines = text.splitlines(keepends=True)
+  for path in paths:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
     for i, line in enumerate(lines):
       if line.lstrip().startswith("def ") and i > 5:
         prompts.append("".join(lines[:i + 1])[-max_chars:])
@@ -54,6 +59,31 @@ def heldout_prompts(count: int, max_chars: int = 600) -> list[str]:
     if len(prompts) == count:
       break
   return prompts
+
+
+def heldout_prompts(count: int, max_chars: int = 600) -> list[str]:
+  """The start of a function in held-out stdlib files: everything up to and including a `def` line."""
+  return function_starts(data.corpus_files("heldout"), count, max_chars)
+
+
+# Installed with jspec, never in its training data (the corpus is the standard library alone).
+THIRD_PARTY = ("jinja2", "tqdm", "optax", "chex", "flax", "orbax", "jax", "numpy")
+
+
+def package_files(name: str) -> list[pathlib.Path]:
+  """An installed package's Python files, tests excluded, in path order."""
+  spec = importlib.util.find_spec(name)
+  roots = [pathlib.Path(r) for r in (spec.submodule_search_locations or [])] if spec else []
+  return sorted(p for root in roots for p in root.rglob("*.py")
+                if not {"tests", "test", "testing"} & set(p.relative_to(root).parts[:-1])
+                and p.stat().st_size > 2000)
+
+
+def thirdparty_prompts(count: int, max_chars: int = 600) -> list[str]:
+  """The start of a function in installed third-party packages (THIRD_PARTY, one file from each in turn):
+  code the shipped models were not trained on, as a new user's would be."""
+  files = itertools.chain.from_iterable(itertools.zip_longest(*map(package_files, THIRD_PARTY)))
+  return function_starts((f for f in files if f is not None), count, max_chars)
 
 
 def varied_heldout_prompts(count: int, seed: int = 0) -> list[str]:
@@ -69,4 +99,5 @@ def varied_heldout_prompts(count: int, seed: int = 0) -> list[str]:
   return prompts
 
 
-PROMPT_SETS = {"code": heldout_prompts, "edit": edit_prompts, "prose": prose_prompts}
+PROMPT_SETS = {"code": heldout_prompts, "thirdparty": thirdparty_prompts, "edit": edit_prompts,
+               "prose": prose_prompts}

@@ -82,6 +82,9 @@ class Drafter:
   needs_weights: ClassVar[bool] = True  # False: it drafts from the context alone (`for_pair` gets no draft)
   can_skip_rounds: ClassVar[bool] = False  # rows may lack a proposal; a round where none has one is a plain step
   supports_tree: ClassVar[bool] = False  # implements `propose_tree`
+  # The target layers whose outputs (side by side) the loop hands `prefill` and `observe`; empty: the target's
+  # final-normed hidden state.
+  feature_layers: tuple[int, ...] = ()
   lags_plain_steps: ClassVar[bool] = False  # a plain target step leaves its state behind the text (see max_lag)
   config: ModelConfig | None  # the shape its weights and cache follow; None: no weights
 

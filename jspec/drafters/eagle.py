@@ -1,9 +1,17 @@
-"""EAGLE (Li et al. 2024): a one-layer transformer that drafts in the target's feature space.
+"""EAGLE (Li et al. 2024) and EAGLE-3 (Li et al. 2025): a one-layer transformer that drafts on the target's
+features.
 
 Its input at position p is `fc([feature_p ; embed(token_{p+1})])`; its output, after its own final norm, is
-the predicted feature of position p + 1, which the target's LM head turns into the distribution of token
-p + 2. Embedding and LM head are the target's (frozen, not stored). Drafting runs it autoregressively on its
-own predicted features, with its own KV cache.
+its feature of position p + 1, which the target's LM head turns into the distribution of token p + 2.
+Embedding and LM head are the target's (frozen, not stored). Drafting runs it autoregressively on its own
+output features, with its own KV cache.
+
+EAGLE-1 (`feature_layers` empty) reads the target's final-normed hidden state and is trained to regress it
+(smooth L1) as well as to match the target's next-next distribution. EAGLE-3 reads the outputs of a low, a
+middle and a high target layer, fused by `fuse [3D, D]` and a norm into one feature; its output is free (no
+regression), and it is trained by "training-time test": the head is unrolled for `ttt_steps` steps on its
+own output features, as it drafts, each step's position seeing the real features' keys up to where its
+chain began and its own earlier steps' keys (`unrolled_attention`), each step's KL weighted by 0.8^step.
 
 Cache invariant: at the start of a round the cache holds positions `[0, start)` where `start` is the first
 position of the target features kept in `Features` (the last target forward's). The round first feeds those
@@ -44,9 +52,44 @@ class EagleState:
   features: Features
 
 
+TTT_DECAY = 0.8  # EAGLE-3's weight of unrolled step j's loss: 0.8^j
+
+
+def default_feature_layers(n_layers: int) -> tuple[int, ...]:
+  """EAGLE-3's low, middle and high layers of an n-layer target (0-based: the residual after each), as the
+  EAGLE-3 implementations choose them: 1, n/2 - 1, n - 4 (distinct, within the target)."""
+  picks = [min(max(i, 0), n_layers - 1) for i in (1, n_layers // 2 - 1, n_layers - 4)]
+  return tuple(sorted(set(picks)))
+
+
+def unrolled_attention(q_BxSxHxDh: jax.Array, keys: list[jax.Array], values: list[jax.Array],
+                       scale: float, softcap: float | None = None) -> jax.Array:
+  """Attention of unrolled step j = len(keys) - 1 of training-time test. The query at position t continues
+  a chain that began on real features at t - j: it sees step 0's keys (real features) at positions <= t - j
+  and step i's key at position t - j + i, for i = 1..j (its own chain's earlier steps, and itself).
+  keys/values: one [B,S,J,Dh] per step. Rows t < j have no chain and are garbage (the loss skips them)."""
+  j, seq = len(keys) - 1, q_BxSxHxDh.shape[1]
+  group = q_BxSxHxDh.shape[2] // keys[0].shape[2]
+  expand = lambda x: jnp.repeat(x, group, axis=2)
+  q = q_BxSxHxDh.astype(jnp.float32) * scale
+  cap = (lambda x: x) if softcap is None else (lambda x: softcap * jnp.tanh(x / softcap))
+  scores0 = cap(jnp.einsum("bqhd,bkhd->bhqk", q, expand(keys[0]).astype(jnp.float32)))
+  visible = jnp.arange(seq)[None, :] <= jnp.arange(seq)[:, None] - j
+  scores0 = jnp.where(visible, scores0, -jnp.inf)
+  shifted = lambda x, i: jnp.roll(expand(x), j - i, axis=1)  # position t holds step i's entry at t - (j - i)
+  diag = [cap(jnp.einsum("bqhd,bqhd->bhq", q, shifted(keys[i], i).astype(jnp.float32))) for i in range(1, j + 1)]
+  scores = jnp.concatenate([scores0] + [d[..., None] for d in diag], -1)
+  weights = jax.nn.softmax(scores, -1)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights[..., :seq], expand(values[0]).astype(jnp.float32))
+  for i in range(1, j + 1):
+    out = out + weights[..., seq + i - 1].transpose(0, 2, 1)[..., None] * shifted(values[i], i)
+  return out.astype(q_BxSxHxDh.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
   config: ModelConfig  # the target's shape with one layer (its own mlp_dim allowed)
+  feature_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers fused; empty: EAGLE-1
   kind = "eagle"
   supports_tree = True
 
@@ -58,22 +101,56 @@ class EagleDrafter(Drafter):
   def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
     return dynamic_tree_shape(self.kind, shape, depth, nodes_asked)
 
+  @property
+  def version(self) -> int:
+    return 3 if self.feature_layers else 1
+
+  def metadata(self) -> dict:
+    return {"feature_layers": list(self.feature_layers)} if self.feature_layers else {}
+
+  @classmethod
+  def from_metadata(cls, config: ModelConfig, metadata: dict) -> EagleDrafter:
+    return cls(config, tuple(int(i) for i in metadata.get("feature_layers", ())))
+
   @classmethod
   def for_training(cls, target_config: ModelConfig, options: dict) -> EagleDrafter:
-    return cls.for_target(target_config, options.get("mlp_dim"))
+    """`options["feature_layers"]`: "eagle3" (the default layers), a list of layers, or absent (EAGLE-1)."""
+    layers = options.get("feature_layers", ())
+    layers = default_feature_layers(target_config.n_layers) if layers == "eagle3" else tuple(layers)
+    if any(not 0 <= i < target_config.n_layers for i in layers):
+      raise ValueError(f"feature layers {list(layers)} outside the target's {target_config.n_layers} layers")
+    return cls.for_target(target_config, options.get("mlp_dim"), layers)
 
   @classmethod
-  def for_target(cls, target_config: ModelConfig, mlp_dim: int | None = None) -> EagleDrafter:
+  def for_target(cls, target_config: ModelConfig, mlp_dim: int | None = None,
+                 feature_layers: tuple[int, ...] = ()) -> EagleDrafter:
     """An EAGLE head for a target: one layer like the target's last, at its width."""
     return cls(dataclasses.replace(target_config, n_layers=1, mlp_dim=mlp_dim or target_config.mlp_dim,
-                                   sliding_windows=target_config.sliding_windows[-1:]))
+                                   sliding_windows=target_config.sliding_windows[-1:]), tuple(feature_layers))
 
   def init_params(self, key: jax.Array) -> dict:
-    layer_key, fc_key = jax.random.split(key)
+    layer_key, fc_key, fuse_key = jax.random.split(key, 3)
     d, dtype = self.config.dim, self.config.jnp_dtype
     fc = jax.random.normal(fc_key, (2 * d, d)) * (2 * d) ** -0.5
-    return {"fc": fc.astype(dtype), "layers": model.init_params(self.config, layer_key)["layers"],
-            "final_norm": jnp.ones((d,), dtype)}
+    params = {"fc": fc.astype(dtype), "layers": model.init_params(self.config, layer_key)["layers"],
+              "final_norm": jnp.ones((d,), dtype)}
+    if self.feature_layers:
+      width = len(self.feature_layers) * d
+      params.update(fuse=(jax.random.normal(fuse_key, (width, d)) * width ** -0.5).astype(dtype),
+                    fuse_norm=jnp.ones((d,), dtype))
+    return params
+
+  @property
+  def feature_width(self) -> int:
+    """The width of the target features it reads."""
+    return max(len(self.feature_layers), 1) * self.config.dim
+
+  def _fused(self, params, feature_BxSxF):
+    """A target feature in the head's own feature space: EAGLE-3's fused layers, or EAGLE-1's as it is."""
+    if not self.feature_layers:
+      return feature_BxSxF
+    return model.rms_norm(feature_BxSxF.astype(self.config.jnp_dtype) @ params["fuse"], params["fuse_norm"],
+                          self.config)
 
   def _inputs(self, params, target_params, feature_BxSxD, tokens_BxS):
     x = jnp.concatenate([feature_BxSxD.astype(self.config.jnp_dtype), target_params["embed"][tokens_BxS]], -1)
@@ -92,7 +169,7 @@ class EagleDrafter(Drafter):
 
   def init(self, batch: int, capacity: int, draft_len: int) -> EagleState:
     return EagleState(kvcache.init_cache(self.config, batch, capacity),
-                      Features.zeros(batch, draft_len + 1, self.config.dim, self.config.jnp_dtype))
+                      Features.zeros(batch, draft_len + 1, self.feature_width, self.config.jnp_dtype))
 
   def prefill(self, weights: DraftWeights, state: EagleState, prompts_BxP, prompt_lens_B, hidden_BxPxD):
     params, target_params = weights.drafter, weights.target
@@ -100,7 +177,7 @@ class EagleDrafter(Drafter):
     next_BxP = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((batch, 1), prompts_BxP.dtype)], 1)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
     _, cache = self.step(params, target_params, state.cache.rewind(jnp.zeros((batch,), jnp.int32)),
-                         hidden_BxPxD, next_BxP, positions)
+                         self._fused(params, hidden_BxPxD), next_BxP, positions)
     features = Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.features.feats_BxCxD.shape[1])
     return EagleState(cache.rewind(features.start_B), features)
 
@@ -110,7 +187,8 @@ class EagleDrafter(Drafter):
     width = feats.feats_BxCxD.shape[1]
     positions = feats.start_B[:, None] + jnp.arange(width)
     next_tokens = jnp.take_along_axis(tokens_BxT, jnp.minimum(positions + 1, tokens_BxT.shape[1] - 1), axis=1)
-    pred_BxCxD, cache = self.step(params, target_params, state.cache, feats.feats_BxCxD, next_tokens, positions)
+    pred_BxCxD, cache = self.step(params, target_params, state.cache, self._fused(params, feats.feats_BxCxD),
+                                  next_tokens, positions)
     at = jnp.clip(n_B - 2 - feats.start_B, 0, width - 1)
     return jnp.take_along_axis(pred_BxCxD, at[:, None, None], axis=1)[:, 0], cache.rewind(jnp.maximum(n_B - 1, 0))
 
@@ -162,9 +240,11 @@ class EagleDrafter(Drafter):
 
   def loss(self, weights: DraftWeights, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
            tokens_BxS: jax.Array, key: jax.Array, options: dict) -> jax.Array:
-    """Teacher-forced on real features (with optional uniform noise of width `options["feature_noise"]`,
-    as EAGLE trains): smooth-L1 feature regression (weighted by `options["feature_weight"]`) plus KL(target ||
-    draft) on the next-next token."""
+    """EAGLE-1: teacher-forced on real features (with optional uniform noise of width
+    `options["feature_noise"]`, as EAGLE trains), smooth-L1 feature regression (weighted by
+    `options["feature_weight"]`) plus KL(target || draft) on the next-next token. EAGLE-3: `ttt_loss`."""
+    if self.feature_layers:
+      return self.ttt_loss(weights, hidden_BxSxD, target_logits_BxSxV, tokens_BxS, options.get("ttt_steps", 4))
     params, target_params = weights.drafter, weights.target
     feature_weight, noise = options.get("feature_weight", 1.0), options.get("feature_noise", 0.0)
     inputs = hidden_BxSxD[:, :-1]
@@ -178,3 +258,32 @@ class EagleDrafter(Drafter):
     return feature_weight * regression + losses.kl(target_logits_BxSxV[:, 1:],
                                                    model.logits_from_hidden(target_params, pred, self.config))
 
+  def ttt_loss(self, weights: DraftWeights, features_BxSxF: jax.Array, target_logits_BxSxV: jax.Array,
+               tokens_BxS: jax.Array, steps: int) -> jax.Array:
+    """Training-time test: step 0 reads the fused real features; step j reads step j-1's output one
+    position back (what drafting feeds it), with the data's tokens; at position t step j predicts token
+    t + 2 and is scored by KL to the target's distribution there, over positions t >= j, weighted 0.8^j."""
+    params, target_params = weights.drafter, weights.target
+    seq = tokens_BxS.shape[1] - 1
+    positions = jnp.broadcast_to(jnp.arange(seq), (tokens_BxS.shape[0], seq))
+    tokens = tokens_BxS[:, 1:]
+    teacher = jax.nn.log_softmax(target_logits_BxSxV[:, 1:], -1)
+    feature = self._fused(params, features_BxSxF[:, :-1])
+    keys, values, total, norm = [], [], 0.0, 0.0
+    options = model.attention_options(self.config, 0)
+    for j in range(steps):
+      def attend(i, q, k, v):
+        keys.append(k)
+        values.append(v)
+        return unrolled_attention(q, keys, values, options["scale"] or self.config.head_dim ** -0.5,
+                                  options["softcap"])
+      x = model.layer_stack(params, self._inputs(params, target_params, feature, tokens), positions, self.config,
+                            attend)
+      out = self._features(params, x)
+      logq = jax.nn.log_softmax(model.logits_from_hidden(target_params, out, self.config), -1)
+      kl_BxS = jnp.sum(jnp.exp(teacher) * (teacher - logq), -1)
+      valid = (jnp.arange(seq) >= j).astype(jnp.float32)
+      total = total + TTT_DECAY ** j * jnp.sum(kl_BxS * valid) / (jnp.sum(valid) * kl_BxS.shape[0])
+      norm = norm + TTT_DECAY ** j
+      feature = jnp.roll(out, 1, axis=1)  # position t reads its chain's previous output, at t - 1
+    return total / norm

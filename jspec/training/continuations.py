@@ -30,18 +30,34 @@ def prompt_windows(stream: np.ndarray, count: int, length: int, seed: int) -> li
 
 
 def continue_windows(target, windows: list[list[int]], new_tokens: int, temperature: float, seed: int,
-                     batch: int) -> np.ndarray:
+                     batch: int, mesh=None, progress: tqdm | None = None) -> np.ndarray:
   """Each window followed by the target's continuation (ending at EOS or after `new_tokens`) and an EOS,
-  joined into one stream; row r samples with seed + r."""
-  eos = target.config.stop_ids[0]
+  joined into one stream; window r samples with seed + r. Decoded by continuous batching over `batch` rows
+  (a finished row takes the next window at once), or, on a mesh that splits kv heads (whose caches cannot
+  take a row in place), in static batches."""
+  from jspec import sharding
+
+  stops = target.config.stop_ids
+  continued: dict[int, list[int]] = {i: [] for i in range(len(windows))}
+  if mesh is not None and sharding.cache_layout(batch, target.config, mesh).heads_major:
+    for first in range(0, len(windows), batch):
+      group = windows[first:first + batch]
+      result = api.generate(target, group, max_new_tokens=new_tokens, temperature=temperature, seed=seed + first,
+                            mesh=mesh)
+      continued.update(zip(range(first, first + len(group)), result.token_ids))
+      if progress is not None:
+        progress.update(len(group))
+  else:
+    for delta in api.stream(target, windows, max_new_tokens=new_tokens, temperature=temperature, seed=seed,
+                            batch_size=batch, mesh=mesh):
+      continued[delta.index].extend(delta.token_ids)
+      if delta.finished and progress is not None:
+        progress.update(1)
   out = []
-  for i in tqdm(range(0, len(windows), batch), desc=f"continuing at temperature {temperature:g}"):
-    group = windows[i:i + batch]
-    result = api.generate(target, group, max_new_tokens=new_tokens, temperature=temperature, seed=seed + i)
-    for window, ids in zip(group, result.token_ids):
-      out.extend(window)
-      out.extend(t for t in ids if t != eos)
-      out.append(eos)
+  for i, window in enumerate(windows):
+    out.extend(window)
+    out.extend(t for t in continued[i] if t not in stops)
+    out.append(stops[0])
   return np.asarray(out, np.uint16 if target.config.vocab_size <= 65536 else np.int32)
 
 
@@ -64,8 +80,9 @@ def main(argv=None) -> int:
   parts = []
   for i, temperature in enumerate(temperatures):
     windows = prompt_windows(stream, args.sequences, args.prompt_len, args.seed + i)
-    parts.append(continue_windows(target, windows, args.new_tokens, temperature, args.seed + i * args.sequences,
-                                  args.batch))
+    with tqdm(total=len(windows), desc=f"continuing at temperature {temperature:g}") as bar:
+      parts.append(continue_windows(target, windows, args.new_tokens, temperature, args.seed + i * args.sequences,
+                                    args.batch, progress=bar))
   out.mkdir(parents=True, exist_ok=True)
   train = np.concatenate(parts)
   np.save(data.shard_path(out, "train"), train)

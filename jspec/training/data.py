@@ -56,7 +56,12 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jspec.data")
   ap.add_argument("--out", default="data/code")
   ap.add_argument("--vocab-size", type=int, default=6144)
+  ap.add_argument("--list", choices=("train", "validation", "heldout"),
+                  help="print the files of this split, one per line, and stop")
   args = ap.parse_args(argv)
+  if args.list:
+    print("\n".join(map(str, corpus_files(args.list))))
+    return 0
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   print(f"corpus: the standard library of this Python ({stdlib_root().name}), split by path hash")

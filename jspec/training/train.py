@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,49 +54,50 @@ class Task:
   save: Callable[[Any, pathlib.Path], None]
 
 
-def model_task(cfg: dict, tok) -> Task:
-  config = ModelConfig.from_dict({**cfg["model"], "vocab_size": tok.get_vocab_size(),
-                                  "eos_id": tok.token_to_id(EOS_TOKEN)})
-  teacher = None
-  if cfg.get("teacher"):
-    t = load(cfg["teacher"])
-    if not same_vocab(t.tokenizer, tok):
-      raise SystemExit("the teacher's tokenizer differs from the data's")
-    teacher = (t.params, t.config)
-  ce_weight = cfg.get("ce_weight", 1.0)
+def model_task(fields: dict, tok, teacher: model.Model | None = None, ce_weight: float = 1.0) -> Task:
+  """A language model of the given shape (`ModelConfig` fields) over the tokenizer `tok`; with a `teacher`
+  it is distilled: KL(teacher || student) + `ce_weight` × cross-entropy."""
+  config = ModelConfig.from_dict({**fields, "vocab_size": fields.get("vocab_size", tok.get_vocab_size()),
+                                  "eos_id": fields.get("eos_id", tok.token_to_id(EOS_TOKEN))})
+  if teacher is not None and not same_vocab(teacher.tokenizer, tok):
+    raise SystemExit("the teacher's tokenizer differs from the data's")
+  pair = None if teacher is None else (teacher.params, teacher.config)
   return Task(
       description=f"{config.n_layers} layers, width {config.dim}",
       init=lambda key: model.init_params(config, key),
-      loss=lambda params, batch: loss_fn(params, batch, config, teacher, ce_weight) if teacher
-      else loss_fn(params, batch, config),
+      loss=lambda params, batch: loss_fn(params, batch, config, pair, ce_weight),
       metric="validation_ce",
       save=lambda params, out: checkpoint.save(model.Model(config, params, tok), out,
                                                storage_dtype="bfloat16"))
 
 
-def heads_task(cfg: dict, tok) -> Task:
+def heads_task(target: model.Model, kind: str, opts: dict, tok) -> Task:
   """Heads (Medusa, EAGLE, or any drafter whose `for_training` builds one) on a frozen target, trained with
   the drafter's own `loss`; the metric is that loss on validation data."""
-  target = load(cfg["target"])
   if not same_vocab(target.tokenizer, tok):
     raise SystemExit("the target's tokenizer differs from the data's")
-  opts = cfg.get("heads", {})
-  try:
-    drafter = registry.drafter_class(cfg["drafter"]).for_training(target.config, opts)
-  except ValueError as e:
-    raise SystemExit(str(e)) from None
+  drafter = registry.drafter_class(kind).for_training(target.config, opts)
 
   def loss(params, batch_BxS1):
     tokens = batch_BxS1[:, :-1]
-    logits, hidden = jax.lax.stop_gradient(model.forward_full(target.params, tokens, target.config))
+    logits, hidden = jax.lax.stop_gradient(model.forward_full(target.params, tokens, target.config,
+                                                              drafter.feature_layers))
     key = jax.random.fold_in(jax.random.PRNGKey(0), jnp.sum(batch_BxS1))  # noise varies with the batch
     value = drafter.loss(drafters.DraftWeights(params, target.params), hidden, logits, tokens, key, opts)
     return value, value
 
-  return Task(description=f"{drafter.kind} heads on {cfg['target']}", init=drafter.init_params, loss=loss,
+  return Task(description=f"{drafter.kind} heads", init=drafter.init_params, loss=loss,
               metric="validation_loss",
               save=lambda params, out: checkpoint.save_heads(drafters.Heads(drafter, params), out,
                                                            storage_dtype="bfloat16"))
+
+
+def task_of(cfg: dict, tok) -> Task:
+  """The task a config file describes: a `drafter` on a `target`, or a `model` (distilled from `teacher`)."""
+  if cfg.get("drafter"):
+    return heads_task(load(cfg["target"]), cfg["drafter"], cfg.get("heads", {}), tok)
+  return model_task(cfg["model"], tok, load(cfg["teacher"]) if cfg.get("teacher") else None,
+                    cfg.get("ce_weight", 1.0))
 
 
 def make_optimizer(cfg: dict) -> optax.GradientTransformation:
@@ -119,8 +121,81 @@ def load_shards(directory: pathlib.Path) -> dict[str, np.ndarray]:
   return {s: np.load(data.shard_path(directory, s)) for s in ("train", "validation")}
 
 
+def fit(task: Task, shards: dict[str, np.ndarray], tcfg: dict, workdir: pathlib.Path, out: pathlib.Path, *,
+        init_from: str | None = None, start_step: int = 0, save_latest: bool = False,
+        place: Callable[[np.ndarray], Any] = lambda batch: batch) -> dict:
+  """Trains `task` on random windows of `shards["train"]`, validates on `shards["validation"]`, keeps orbax
+  checkpoints in `workdir` (a rerun resumes from the latest), writes the weights and `train_log.json` to
+  `out`, and returns the log. `place` puts each batch where the step runs (a mesh's data axis)."""
+  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(task.init, jax.random.PRNGKey(0))))
+  print(f"{task.description}: {num_params:,} parameters; train {len(shards['train']):,} tokens, "
+        f"validation {len(shards['validation']):,}", flush=True)
+
+  opt = make_optimizer(tcfg)
+  seed = tcfg.get("seed", 0)
+  params = task.init(jax.random.PRNGKey(seed))
+  state = {"params": params, "opt_state": opt.init(params)}
+  manager = ocp.CheckpointManager(workdir.absolute(), options=ocp.CheckpointManagerOptions(
+      max_to_keep=2, save_interval_steps=tcfg.get("save_every", 200)))
+  if init_from and manager.latest_step() is None:
+    init = load(init_from).params
+    if jax.tree.structure(init) != jax.tree.structure(params):
+      raise SystemExit(f"{init_from} holds other weights than this config trains")
+    state = {"params": init, "opt_state": opt.init(init)}
+    print(f"starting from {init_from} at step {start_step}, with a fresh optimizer state", flush=True)
+  elif manager.latest_step() is not None:
+    start_step = manager.latest_step()
+    state = manager.restore(start_step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+    print(f"resumed from step {start_step} in {workdir}", flush=True)
+  else:
+    start_step = 0
+
+  @jax.jit
+  def train_step(state, batch):
+    grad_fn = jax.value_and_grad(task.loss, has_aux=True)
+    (loss, _), grads = grad_fn(state["params"], batch)
+    updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+
+  eval_metric = jax.jit(lambda params, batch: task.loss(params, batch)[1])
+  val_batches = [place(batch_at(shards["validation"], i, tcfg["batch"], tcfg["seq_len"], seed + 1))
+                 for i in range(8)]
+  validate = lambda: float(np.mean([eval_metric(state["params"], b) for b in val_batches]))
+
+  tokens_per_step = tcfg["batch"] * tcfg["seq_len"]
+  last = start_step if save_latest else tcfg["steps"]
+  bar = tqdm(range(start_step, last), desc="train", initial=start_step, total=tcfg["steps"])
+  start, val, history = time.perf_counter(), float("nan"), []
+  if start_step == 0 and not save_latest:
+    history.append({"step": 0, task.metric: validate()})
+  for step in bar:
+    batch = place(batch_at(shards["train"], step, tcfg["batch"], tcfg["seq_len"], seed))
+    state, loss = train_step(state, batch)
+    done = step + 1
+    if done % tcfg.get("eval_every", 200) == 0 or done == last:
+      val = validate()
+      history.append({"step": done, task.metric: val})
+    manager.save(done, args=ocp.args.StandardSave(state))
+    if step % 10 == 0 or done == last:
+      rate = tokens_per_step * (done - start_step) / (time.perf_counter() - start)
+      bar.set_postfix(loss=f"{float(loss):.3f}", val=f"{val:.3f}", tok_s=f"{rate:.0f}")
+  manager.wait_until_finished()
+  task.save(state["params"], out)
+  val = validate()
+  log = {task.metric: val, "steps": last, "tokens_seen": last * tokens_per_step,
+         "wall_seconds_this_run": time.perf_counter() - start, "history": history}
+  (out / "train_log.json").write_text(json.dumps(log, indent=2))
+  print(f"saved {out}: {task.metric} {val:.3f}")
+  return log
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m jspec.train")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["drafter"]:
+    from jspec.training import recipe
+    return recipe.main(argv[1:])
+  ap = argparse.ArgumentParser(prog="python -m jspec.train",
+                               epilog="`python -m jspec.train drafter --help`: train a drafter for any target")
   ap.add_argument("--config", required=True)
   ap.add_argument("--steps", type=int, help="override the configured step count (smoke runs)")
   ap.add_argument("--workdir", help="override the configured workdir")
@@ -136,67 +211,12 @@ def main(argv=None) -> int:
   tcfg = dict(cfg["train"], **({"steps": args.steps} if args.steps else {}))
   data_dir = pathlib.Path(cfg["data"])
   tok = load_tokenizer(data_dir)
-  task = heads_task(cfg, tok) if cfg.get("drafter") else model_task(cfg, tok)
-  shards = load_shards(data_dir)
-  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(task.init, jax.random.PRNGKey(0))))
-  print(f"{task.description}: {num_params:,} parameters; train {len(shards['train']):,} tokens, "
-        f"validation {len(shards['validation']):,}", flush=True)
-
-  opt = make_optimizer(tcfg)
-  seed = tcfg.get("seed", 0)
-  params = task.init(jax.random.PRNGKey(seed))
-  state = {"params": params, "opt_state": opt.init(params)}
-  workdir = pathlib.Path(args.workdir or cfg["workdir"]).absolute()
-  manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(
-      max_to_keep=2, save_interval_steps=tcfg.get("save_every", 200)))
-  start_step = 0
-  if args.init_from and manager.latest_step() is None:
-    init = load(args.init_from).params
-    if jax.tree.structure(init) != jax.tree.structure(params):
-      raise SystemExit(f"{args.init_from} holds other weights than this config trains")
-    start_step = args.start_step
-    state = {"params": init, "opt_state": opt.init(init)}
-    print(f"starting from {args.init_from} at step {start_step}, with a fresh optimizer state", flush=True)
-  elif manager.latest_step() is not None:
-    start_step = manager.latest_step()
-    state = manager.restore(start_step, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
-    print(f"resumed from step {start_step} in {workdir}", flush=True)
-
-  @jax.jit
-  def train_step(state, batch):
-    grad_fn = jax.value_and_grad(task.loss, has_aux=True)
-    (loss, _), grads = grad_fn(state["params"], batch)
-    updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
-
-  eval_metric = jax.jit(lambda params, batch: task.loss(params, batch)[1])
-  val_batches = [batch_at(shards["validation"], i, tcfg["batch"], tcfg["seq_len"], seed + 1) for i in range(8)]
-  validate = lambda: float(np.mean([eval_metric(state["params"], b) for b in val_batches]))
-
-  tokens_per_step = tcfg["batch"] * tcfg["seq_len"]
-  last = start_step if args.save_latest else tcfg["steps"]
-  bar = tqdm(range(start_step, last), desc="train", initial=start_step, total=tcfg["steps"])
-  start, val, history = time.perf_counter(), float("nan"), []
-  if start_step == 0 and not args.save_latest:
-    history.append({"step": 0, task.metric: validate()})
-  for step in bar:
-    state, loss = train_step(state, batch_at(shards["train"], step, tcfg["batch"], tcfg["seq_len"], seed))
-    done = step + 1
-    if done % tcfg.get("eval_every", 200) == 0 or done == last:
-      val = validate()
-      history.append({"step": done, task.metric: val})
-    manager.save(done, args=ocp.args.StandardSave(state))
-    if step % 10 == 0 or done == last:
-      rate = tokens_per_step * (done - start_step) / (time.perf_counter() - start)
-      bar.set_postfix(loss=f"{float(loss):.3f}", val=f"{val:.3f}", tok_s=f"{rate:.0f}")
-  manager.wait_until_finished()
-  out = pathlib.Path(cfg["out"])
-  task.save(state["params"], out)
-  val = validate()
-  log = {task.metric: val, "steps": last, "tokens_seen": last * tokens_per_step,
-         "wall_seconds_this_run": time.perf_counter() - start, "history": history}
-  (out / "train_log.json").write_text(json.dumps(log, indent=2))
-  print(f"saved {out}: {task.metric} {val:.3f}")
+  try:
+    task = task_of(cfg, tok)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
+  fit(task, load_shards(data_dir), tcfg, pathlib.Path(args.workdir or cfg["workdir"]), pathlib.Path(cfg["out"]),
+      init_from=args.init_from, start_step=args.start_step, save_latest=args.save_latest)
   return 0
 
 
