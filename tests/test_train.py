@@ -190,3 +190,13 @@ def test_drafter_recipe_refuses_bad_input_with_one_line(tiny_target, tmp_path, c
   assert train.main(base + argv) == 2
   err = capsys.readouterr().err.strip()
   assert message in err and len(err.splitlines()) == 1
+
+
+def test_third_party_prompts_come_from_installed_packages_never_the_corpus():
+  from jspec.bench import prompts
+
+  root = data.stdlib_root()
+  files = [f for name in prompts.THIRD_PARTY for f in prompts.package_files(name)]
+  assert files and not any(f.is_relative_to(root) and "site-packages" not in f.parts for f in files)
+  texts = prompts.thirdparty_prompts(4)
+  assert len(texts) == 4 and all(t.rstrip().split("\n")[-1].lstrip().startswith("def ") for t in texts)
