@@ -110,8 +110,9 @@ def suite_drafters(pair: Models, kinds: list[str], draft_lens: list[int], sets: 
   decodes `max_new` tokens (EOS ignored). Per prompt: speedup, τ, and the rounds the fallback made plain."""
   target = jspec.load(pair.target)
   drafts = {kind: shipped_pair(pair, kind)[1] for kind in kinds}
+  most = lambda kind: getattr(getattr(drafts[kind], "drafter", None), "num_heads", max(draft_lens))  # Medusa's heads
   variants = {f"{kind}_k{k}": dict(draft=drafts[kind], spec=SpecConfig(drafter=kind), draft_len=k)
-              for kind in kinds for k in draft_lens}
+              for kind in kinds for k in draft_lens if k <= most(kind)}
   out = {"max_new_tokens": max_new, "sets": {}}
   for name in sets:
     rows = []
@@ -119,7 +120,7 @@ def suite_drafters(pair: Models, kinds: list[str], draft_lens: list[int], sets: 
       last = {}
       run = lambda v, **kw: last.__setitem__(v, jspec.generate(target, [prompt], max_new_tokens=max_new,
                                                                ignore_eos=True, **kw))
-      fns = {"ar": lambda: run("ar"), **{v: lambda v=v: run(v, **kw) for v, kw in variants.items()}}
+      fns = {"ar": lambda: run("ar"), **{v: lambda v=v, kw=kw: run(v, **kw) for v, kw in variants.items()}}
       t = interleaved(fns, repeats)
       rows.append({v: {"speedup": t["ar"] / t[v], "tau": last[v].stats.mean_accepted_length,
                        "fallback_rounds": last[v].stats.fallback_rounds, "rounds": last[v].stats.rounds,

@@ -67,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--warm-start", metavar="DIR",
                  help="start from this drafter's weights wherever a weight of the same name and shape exists (an "
                       "EAGLE-1 head for an EAGLE-3 one: all but the fusion), the rest freshly initialized")
+  p.add_argument("--no-calibrate", action="store_true",
+                 help="skip measuring the cost model (adaptive K then uses a calibration or neutral figures)")
   p.add_argument("--mesh", metavar="data=D,model=M", help="run the target (continuations, features) on this mesh")
   p.add_argument("--seed", type=int, default=0)
   return p
@@ -255,6 +257,9 @@ def run(args: argparse.Namespace) -> dict:
   target = jspec.load(args.target, mesh=mesh)
   if not isinstance(target, jspec.Model):
     raise ValueError(f"--target {args.target}: a drafter, not a target model")
+  task = task_for(args, target)  # refuses bad options before any work
+  if args.warm_start:
+    task = warm_started(task, args.warm_start)
   out = pathlib.Path(args.out)
   workdir = pathlib.Path(args.workdir or f"{out}.work")
   streams, digest = tokenize(docs, target, workdir / "tokens")
@@ -274,16 +279,14 @@ def run(args: argparse.Namespace) -> dict:
   place = lambda batch: batch
   if mesh is not None and args.batch % mesh.shape["data"] == 0:
     place = lambda batch: jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
-  task = task_for(args, target)
-  if args.warm_start:
-    task = warm_started(task, args.warm_start)
   log = train.fit(task, shards, tcfg, workdir / "train", out, place=place)
 
   draft = jspec.load(out)
   kind = args.kind
-  print("measuring its cost model here", flush=True)
-  checkpoint.write_cost_models(out, {**checkpoint.read_cost_models(out),
-                                     kind: calibration.measure(target, draft, kind, (1,), repeats=3)})
+  if not args.no_calibrate:
+    print("measuring its cost model here", flush=True)
+    checkpoint.write_cost_models(out, {**checkpoint.read_cost_models(out),
+                                       kind: calibration.measure(target, draft, kind, (1,), repeats=3)})
   log["heldout_tau_k4"] = heldout_tau(target, draft, streams["heldout"])
   (out / "train_log.json").write_text(json.dumps(log, indent=2))
   print(f"{out}: τ {log['heldout_tau_k4']:.2f} at K = 4 on held-out prompts (greedy); "

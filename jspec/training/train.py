@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -190,10 +189,6 @@ def fit(task: Task, shards: dict[str, np.ndarray], tcfg: dict, workdir: pathlib.
 
 
 def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] == ["drafter"]:
-    from jspec.training import recipe
-    return recipe.main(argv[1:])
   ap = argparse.ArgumentParser(prog="python -m jspec.train",
                                epilog="`python -m jspec.train drafter --help`: train a drafter for any target")
   ap.add_argument("--config", required=True)
