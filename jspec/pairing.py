@@ -46,6 +46,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
   measured, source = (costs.cost_model(target, draft, kind, cls.needs_weights, mesh_shape)
                       if spec.adaptive is not None or spec.tree is not None else (None, None))  # what reads it
   drafter = cls.for_pair(target, draft, spec)
+  params = drafter.loop_params(params)
   disable_at = spec.disable_at_batch_size
   if disable_at is not None and batch >= disable_at and (spec.adaptive is None or spec.tree is not None):
     return plain  # vLLM's rule: large batches gain little from speculation (adaptive: per round, below)

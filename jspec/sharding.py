@@ -49,6 +49,8 @@ PARAM_AXES = {
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "fc": ("embed", "embed"), "fuse": ("embed", "embed"), "fuse_norm": ("embed",),  # EAGLE(-3) input projections
     "w": ("stack", "embed", "embed"), "b": ("stack", "embed"),  # Medusa heads
+    # a cross-tokenizer draft's tables (`jspec.vocab_map`), whole on every device
+    "draft_ids": (None,), "target_ids": (None,), "spelling": (None, None), "spelling_lens": (None,),
 }
 
 

@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tokenizers import Tokenizer, models
 
 from jspec import drafters, model, sampling
 from jspec.api import generate
 from jspec.config import ModelConfig
 from jspec.model import Model
 from jspec.settings import SpecConfig
-from jspec.tokenizer import byte_tokenizer
+from jspec.tokenizer import EOS_TOKEN, byte_tokenizer
 
 TINY = ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
                    rope_theta=10000.0, max_seq_len=1024, eos_id=256)
@@ -83,6 +85,50 @@ def random_eagle3(target: Model, seed: int = 1, scale: float = 0.5) -> drafters.
   """A random EAGLE-3 head for `target`: it reads the default low, middle and high layers."""
   layers = drafters.eagle.default_feature_layers(target.config.n_layers)
   return random_heads(drafters.EagleDrafter.for_target(target.config, feature_layers=layers), seed, scale)
+
+
+def char_tokenizer(tokens: list[str], merges: list[tuple[str, str]] = ()) -> Tokenizer:
+  """A BPE tokenizer over exactly `tokens` (single characters and the results of `merges`), with no
+  pre-tokenizer: tiny vocabularies whose overlap a test chooses."""
+  return Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=list(merges)))
+
+
+def renamed_vocab(m: Model, split: int, added: int, seed: int = 0) -> Model:
+  """`m` under another vocabulary: the same weights with every id moved, `split` merged tokens removed
+  (their text is then spelled by the pieces they merge) and `added` new merged tokens (random embeddings).
+  Where the two tokenizations of a text agree, it computes exactly `m`'s distributions."""
+  spec = json.loads(m.tokenizer.to_str())
+  vocab, merges = spec["model"]["vocab"], [tuple(x.split(" ")) if isinstance(x, str) else tuple(x)
+                                            for x in spec["model"]["merges"]]
+  rng = np.random.default_rng(seed)
+  inputs = {t for pair in merges for t in pair}
+  leaves = [a + b for a, b in merges if a + b not in inputs]
+  removed = set(rng.choice(leaves, split, replace=False).tolist())
+  merges = [(a, b) for a, b in merges if a + b not in removed]
+  kept = [t for t in sorted(vocab, key=vocab.get) if t not in removed]
+  new = []
+  while len(new) < added:
+    a, b = rng.choice(kept, 2).tolist()
+    if a + b not in vocab and a + b not in new and EOS_TOKEN not in (a, b):
+      new.append(a + b)
+      merges.append((a, b))
+  order = rng.permutation(len(kept) + len(new))
+  new_id = {t: int(order[i]) for i, t in enumerate(kept + new)}
+  spec["model"]["vocab"], spec["model"]["merges"] = new_id, [[a, b] for a, b in merges]
+  for token in spec["added_tokens"]:
+    token["id"] = new_id[token["content"]]
+  config = dataclasses.replace(m.config, vocab_size=len(new_id), eos_id=None if m.config.eos_id is None
+                               else new_id[m.tokenizer.id_to_token(m.config.eos_id)])
+  params = dict(m.params)
+  rows = np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (len(new_id), m.config.dim))) * float(
+      np.asarray(m.params["embed"]).std())
+  rows[[new_id[t] for t in kept]] = np.asarray(m.params["embed"])[[vocab[t] for t in kept]]
+  params["embed"] = jnp.asarray(rows, m.params["embed"].dtype)
+  if "lm_head" in params:
+    cols = np.zeros((m.config.dim, len(new_id)), np.float32)
+    cols[:, [new_id[t] for t in kept]] = np.asarray(m.params["lm_head"])[:, [vocab[t] for t in kept]]
+    params["lm_head"] = jnp.asarray(cols, m.params["lm_head"].dtype)
+  return Model(config, params, Tokenizer.from_str(json.dumps(spec)))
 
 
 def assert_target_argmax(target: Model, prompt_ids: list[int], out_ids: list[int]) -> None:

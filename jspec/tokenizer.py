@@ -154,3 +154,30 @@ def _read_json(path: pathlib.Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
   except json.JSONDecodeError as e:
     raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def token_bytes(tokenizer: Tokenizer) -> dict[int, bytes]:
+  """Each ordinary token's bytes (special tokens left out): byte-level BPE maps characters back to bytes;
+  SentencePiece-style vocabularies mark spaces with U+2581 and spell raw bytes as `<0xNN>`."""
+  spec = json.loads(tokenizer.to_str())
+  special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+  vocab = {i: s for s, i in tokenizer.get_vocab(with_added_tokens=True).items() if i not in special}
+  if "ByteLevel" in json.dumps(spec.get("decoder")) or "ByteLevel" in json.dumps(spec.get("pre_tokenizer")):
+    byte_of = _byte_level_bytes()
+    return {i: bytes(byte_of[ch] for ch in s) if all(ch in byte_of for ch in s) else s.encode()
+            for i, s in vocab.items()}
+  out = {}
+  for i, s in vocab.items():
+    if len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+      out[i] = bytes([int(s[3:5], 16)])
+    else:
+      out[i] = s.replace("\u2581", " ").encode()
+  return out
+
+
+def _byte_level_bytes() -> dict[str, int]:
+  """Byte-level BPE's character for each byte, inverted (GPT-2's `bytes_to_unicode`): printable bytes
+  stand for themselves, the others for 256, 257, ... in byte order."""
+  printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
+  others = [b for b in range(256) if b not in printable]
+  return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}

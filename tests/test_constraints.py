@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import automaton, constraints, decode, model, testing
+from jspec import automaton, constraints, decode, model, testing, tokenizer
 from jspec.settings import SpecConfig, TreeConfig
 
 # Nine tokens: '!' .. '(' (ids 0..7) and an EOS (id 8).
@@ -223,7 +223,7 @@ def test_tables_stay_small_and_are_cached(target):
 
 def test_token_bytes_read_byte_level_and_sentencepiece_vocabularies(target):
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-  byte_level = constraints.token_bytes(target.tokenizer)
+  byte_level = tokenizer.token_bytes(target.tokenizer)
   ids = [target.tokenizer.token_to_id(t) for t in ("\u0120", "a", "\u010a")]
   assert [byte_level[i] for i in ids] == [b" ", b"a", b"\n"]
   assert target.config.eos_id not in byte_level  # special tokens are never allowed
@@ -231,4 +231,4 @@ def test_token_bytes_read_byte_level_and_sentencepiece_vocabularies(target):
   spm.pre_tokenizer = pre_tokenizers.Metaspace()
   spm.decoder = decoders.Metaspace()
   spm.add_special_tokens([AddedToken("<s>", special=True)])
-  assert constraints.token_bytes(spm) == {0: b" the", 1: b"\n", 2: b"a b"}
+  assert tokenizer.token_bytes(spm) == {0: b" the", 1: b"\n", 2: b"a b"}

@@ -241,6 +241,26 @@ def test_a_draft_with_a_padded_vocabulary(tmp_path):
     assert logits.shape[-1] == 264 and np.all(np.isneginf(np.asarray(logits)[..., min(rows, 264):]))
 
 
+def test_a_draft_of_another_family_with_another_tokenizer(tmp_path):
+  """A Llama target with a SentencePiece-style tokenizer, drafted for by a Qwen2 model with a byte-level one:
+  greedy tokens are transformers' plain greedy tokens."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  m, path = make_hf(tmp_path, "llama")
+  spm = Tokenizer(models.BPE(byte_fallback=True))
+  spm.pre_tokenizer, spm.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+  text = pathlib.Path(jspec.__file__).read_text()
+  spm.train_from_iterator([text], trainers.BpeTrainer(vocab_size=200, special_tokens=["<s>", "</s>"],
+                                                      show_progress=False))
+  spm.save(str(path / "tokenizer.json"))
+  _, draft_path = make_hf(tmp_path, "qwen2", seed=3, num_hidden_layers=1)
+  target, draft = jspec.load(path), jspec.load(draft_path)
+  assert type(pairing.make_decoder(target, draft, FIXED, 1).drafter).__name__ == "CrossVocabDrafter"
+  prompts = [encode(target.tokenizer, "def load(path"), encode(target.tokenizer, "import jspec\n\nx = 1\n")]
+  got = jspec.generate(target, prompts, draft=draft, max_new_tokens=NEW, spec=FIXED)
+  assert got.token_ids == [hf_greedy(m, p, NEW) for p in prompts]
+  assert got.stats.drafted_tokens > 0
+
+
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   m, path = make_hf(tmp_path, "qwen2")
   cfg = json.loads((path / "config.json").read_text())

@@ -6,6 +6,7 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
   python -m jspec.bench --suite drafters --draft-lens 2,4,6 --prompt-sets code,thirdparty,prose   # per drafter
   python -m jspec.bench --target DIR --draft eagle=DIR --suite defaults   # your own pair
   python -m jspec.bench --suite serving --drafters eagle   # the server: speculative against plain, over HTTP
+  python -m jspec.bench --suite cross-vocab --draft-lens 4 --prompt-sets code   # drafts with another tokenizer
   python -m jspec.bench --suite structured --drafters eagle,model,medusa,ngram   # under constraints
   python -m jspec.bench --suite gpu                  # the prepared check on one NVIDIA GPU (--smoke: anywhere)
   python -m jspec.bench --quick                      # a smoke run of the sweep on tiny random models (CI)
@@ -22,7 +23,7 @@ import jax
 
 import jspec
 from jspec import shipped, testing
-from jspec.bench import end_to_end, gpu, parts, serving, structured, sweep
+from jspec.bench import cross_vocab, end_to_end, gpu, parts, serving, structured, sweep
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.bench.timing import machine
 
@@ -79,6 +80,10 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                  lambda a, m, o: end_to_end.suite_drafters(m, _kinds(a), _ints(a.draft_lens),
                                                            a.prompt_sets.split(","), a.max_new_tokens, a.repeats,
                                                            a.prompts)),
+    "cross-vocab": ("drafts with other tokenizers (--compare DIRS) against the pair's draft model",
+                    lambda a, m, o: cross_vocab.suite_cross_vocab(m, a.compare.split(","), _ints(a.draft_lens),
+                                                                  a.prompt_sets.split(","), a.max_new_tokens,
+                                                                  a.repeats, a.prompts)),
     "adaptive": ("adaptive K and fallback against every fixed K",
                  lambda a, m, o: end_to_end.suite_adaptive(*parts.shipped_pair(m, _kinds(a)[0]), _kinds(a)[0],
                                                            a.max_new_tokens, a.repeats, a.prompts)),
@@ -141,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--also-drafters", default="", help="--suite defaults: also time these drafters")
   ap.add_argument("--also-cost-model", default=None, metavar="FILE",
                   help="--suite defaults: also time the default drafter with this cost_model.json's figures")
+  ap.add_argument("--compare", default="checkpoints/code-draft-4k", metavar="DIRS",
+                  help="--suite cross-vocab: draft model directories (any tokenizer), comma-separated")
   ap.add_argument("--tree-depth", type=int, default=4, help="--suite tree: the trees' depth")
   ap.add_argument("--tree-shapes", default="2x8,4x16,4x32", help="--suite tree: top-k x nodes of each tree")
   ap.add_argument("--prompt-sets", default="code",

@@ -95,6 +95,10 @@ class Drafter:
     `needs_weights` is False); a draft that does not fit the target is a one-line ValueError."""
     return draft.drafter
 
+  def loop_params(self, params: Any) -> Any:
+    """The weights the loop carries for this drafter, from the loaded draft's (themselves by default)."""
+    return params
+
   @property
   def max_lag(self) -> int:
     """The most tokens the drafter's state may trail the text by at the start of a round."""

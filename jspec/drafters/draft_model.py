@@ -8,7 +8,8 @@ then catches up with one wider forward of `max_lag + 1` tokens, so d >= n - 1 - 
 round (`propose_tree`) keeps d = n and so trails by the accepted path, at most the tree's depth.
 
 The draft may pad its vocabulary to another size than the target's (same tokenizer): its logits are cut or
-padded (with -inf) to the target's width, so it never proposes an id past the smaller of the two.
+padded (with -inf) to the target's width, so it never proposes an id past the smaller of the two. A draft
+with another tokenizer drafts as `jspec.drafters.cross_vocab.CrossVocabDrafter`.
 """
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ class ModelDrafter(Drafter):
   @classmethod
   def for_pair(cls, target: Model, draft: Model, spec: SpecConfig) -> ModelDrafter:
     # Embeddings may be padded to other sizes. Models without tokenizers are shapes for a memory plan.
-    if None not in (draft.tokenizer, target.tokenizer) and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-      raise ValueError("the draft's tokenizer differs from the target's")
+    if None not in (draft.tokenizer, target.tokenizer):
+      # Both imported here: the decode loop itself never reads a tokenizer (tests/test_package.py).
+      from jspec.drafters.cross_vocab import CrossVocabDrafter  # it builds on this class
+      from jspec.tokenizer import same_vocab
+      if not same_vocab(draft.tokenizer, target.tokenizer):
+        return CrossVocabDrafter.for_tokenizers(target, draft)
     return cls(draft.config, vocab_size=target.config.vocab_size)
 
   @property
