@@ -17,6 +17,10 @@ if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
 if "JSPEC_COMPILE_CACHE" not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ:
   os.environ["JSPEC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jspec-test-xla-")
   atexit.register(shutil.rmtree, os.environ["JSPEC_COMPILE_CACHE"], ignore_errors=True)
+# Cross-tokenizer tables likewise (`jspec.vocab_map`).
+if "JSPEC_VOCAB_MAP_DIR" not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ:
+  os.environ["JSPEC_VOCAB_MAP_DIR"] = tempfile.mkdtemp(prefix="jspec-test-vocab-")
+  atexit.register(shutil.rmtree, os.environ["JSPEC_VOCAB_MAP_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

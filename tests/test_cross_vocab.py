@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jspec
-from jspec import model, testing, tokenizer, vocab_map
+from jspec import model, shipped, testing, tokenizer, vocab_map
 from jspec.drafters.cross_vocab import CrossVocabDrafter
 from jspec.model import Model
 from jspec.pairing import make_decoder
@@ -64,7 +64,7 @@ def test_tables_pair_tokens_by_their_bytes(law_pair):
 
 
 def test_spellings_give_back_each_target_tokens_bytes():
-  target = jspec.load("code").tokenizer
+  target = tokenizer.load_tokenizer(shipped.PAIRS["code"].target)
   tables = vocab_map.build(target, tokenizer.byte_tokenizer(), 6144, 257, 0, 256)
   draft_bytes, target_bytes = tokenizer.token_bytes(tokenizer.byte_tokenizer()), tokenizer.token_bytes(target)
   for t, want in target_bytes.items():
