@@ -6,7 +6,7 @@ import pathlib
 
 import jax
 
-from jspec import checkpoint, hf, model, registry, shipped
+from jspec import checkpoint, hf, model, registry, shipped, tokenizer
 from jspec.config import default_dtype
 from jspec.drafters import Heads
 from jspec.model import Model
@@ -34,9 +34,10 @@ def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model
 
 
 def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | Heads:
-  """A model or heads with their parameters' shapes only (`jax.ShapeDtypeStruct`s) and no tokenizer, from a
-  checkpoint directory (the weights are not read) or a bare `config.json` (jspec's or Hugging Face's) or
-  `drafter.json`: what the memory plan needs (`jspec.memory`)."""
+  """A model or heads with their parameters' shapes only (`jax.ShapeDtypeStruct`s), from a checkpoint
+  directory (the weights are not read) or a bare `config.json` (jspec's or Hugging Face's) or
+  `drafter.json`: what the memory plan needs (`jspec.memory`). A model keeps the `tokenizer.json` beside its
+  config, if any: a draft with another tokenizer than its target's holds more cache (`jspec.vocab_map`)."""
   dtype = dtype or default_dtype()
   if dtype not in DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -58,4 +59,5 @@ def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | H
               else checkpoint.parse_config(fields, dtype, path))
   except KeyError as e:
     raise ValueError(f"{path}: config without {e}") from None
-  return Model(config, jax.eval_shape(lambda k: model.init_params(config, k), init), tokenizer=None)
+  tok = tokenizer.load_tokenizer(path.parent) if (path.parent / "tokenizer.json").is_file() else None
+  return Model(config, jax.eval_shape(lambda k: model.init_params(config, k), init), tokenizer=tok)

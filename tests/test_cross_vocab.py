@@ -9,8 +9,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jspec
-from jspec import model, shipped, testing, tokenizer, vocab_map
+from jspec import loading, memory, model, shipped, testing, tokenizer, vocab_map
 from jspec.drafters.cross_vocab import CrossVocabDrafter
+from jspec.drafters.draft_model import ModelDrafter
 from jspec.model import Model
 from jspec.pairing import make_decoder
 
@@ -152,3 +153,17 @@ def test_continuous_batching_and_the_decoder(code_target):
   with pytest.raises(ValueError, match="another tokenizer than the target's drafts chains only"):
     jspec.generate(code_target, prompts, draft=draft, spec=dataclasses.replace(
         testing.fixed_k(3), tree=jspec.TreeConfig()), max_new_tokens=4)
+
+
+def test_the_memory_plan_counts_the_longer_draft_cache(code_target, tmp_path):
+  jspec.save(code_target, tmp_path / "target")
+  jspec.save(testing.renamed_vocab(code_target, split=12, added=6), tmp_path / "cross")
+  jspec.save(testing.perturbed(code_target, 0.1), tmp_path / "same")
+  target = loading.load_shapes(tmp_path / "target")
+  plans = {}
+  for name in ("cross", "same"):
+    decoder = memory.shaped_decoder(target, loading.load_shapes(tmp_path / name), testing.fixed_k(3), 1)
+    plans[name] = memory.make_plan(decoder, 1, 512, 256)
+  assert isinstance(decoder.drafter, ModelDrafter) and not isinstance(decoder.drafter, CrossVocabDrafter)
+  spelling = make_decoder(code_target, jspec.load(tmp_path / "cross"), testing.fixed_k(3), 1).drafter.spelling_len
+  assert plans["cross"].usage.draft_kv_cache_bytes >= spelling * plans["same"].usage.draft_kv_cache_bytes
