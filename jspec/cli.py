@@ -111,8 +111,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                  help="target checkpoint: a jspec or Hugging Face model directory, or the name of a shipped pair "
                       f"({', '.join(shipped.PAIRS)}; default: {shipped.DEFAULT.name})")
   g.add_argument("--draft", default=None, metavar="DIR",
-                 help="draft model or Medusa/EAGLE heads directory (default: the shipped weights of --drafter "
-                      "when the target is a shipped one)")
+                 help="draft model (any tokenizer) or Medusa/EAGLE heads directory (default: the shipped weights "
+                      "of --drafter when the target is a shipped one)")
   g.add_argument("--drafter", choices=DRAFTERS, default=None,
                  help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, or n-gram lookup in the "
                       f"context (default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")

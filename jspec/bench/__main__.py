@@ -80,7 +80,7 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                  lambda a, m, o: end_to_end.suite_drafters(m, _kinds(a), _ints(a.draft_lens),
                                                            a.prompt_sets.split(","), a.max_new_tokens, a.repeats,
                                                            a.prompts)),
-    "cross-vocab": ("drafts with other tokenizers (--compare DIRS) against the pair's draft model",
+    "cross-vocab": ("drafts with other tokenizers (--compare DIRS) against the pair's draft model, fixed K",
                     lambda a, m, o: cross_vocab.suite_cross_vocab(m, a.compare.split(","), _ints(a.draft_lens),
                                                                   a.prompt_sets.split(","), a.max_new_tokens,
                                                                   a.repeats, a.prompts)),

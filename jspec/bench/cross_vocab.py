@@ -22,13 +22,13 @@ from jspec.tokenizer import detokenize, encode
 
 def suite_cross_vocab(pair: Models, others: list[str], draft_lens: list[int], sets: list[str], max_new: int,
                       repeats: int, count: int) -> dict:
-  """The pair's draft model and each draft in `others` (any tokenizer) with the CLI's defaults (adaptive K up
-  to each of `draft_lens`), greedy, batch 1, interleaved against plain decoding per prompt (EOS ignored);
+  """The pair's draft model and each draft in `others` (any tokenizer) at each fixed K of `draft_lens` (so that
+  no cost model decides), greedy, batch 1, interleaved against plain decoding per prompt (EOS ignored);
   for drafts with another tokenizer, first-draft acceptance with the spelled text against the re-tokenized
   text, and the host's re-tokenizing time per round against the loop's whole round."""
   target, same = shipped_pair(pair, "model")
   drafts = {"same": same, **{d: jspec.load(d) for d in others}}
-  variants = {f"{name}_k{k}": dict(draft=d, spec=SpecConfig(drafter="model"), draft_len=k)
+  variants = {f"{name}_k{k}": dict(draft=d, spec=SpecConfig(k, drafter="model", adaptive=None))
               for name, d in drafts.items() for k in draft_lens}
   out = {"max_new_tokens": max_new, "drafts": {n: _describe(target, d) for n, d in drafts.items()}, "sets": {}}
   for name in sets:
