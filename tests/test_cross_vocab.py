@@ -1,4 +1,4 @@
-"""Drafts with another tokenizer (token-level intersection, `jspec.vocab_map`, `jspec.drafters.cross_vocab`):
+"""Drafts with another tokenizer (token-level intersection, `jspec.vocab_map`, `jspec.drafters.draft_model`):
 the tables, the exact law of the first tokens, greedy identity, the target itself under another vocabulary."""
 import dataclasses
 import inspect
@@ -10,8 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jspec
 from jspec import loading, memory, model, shipped, testing, tokenizer, vocab_map
-from jspec.drafters.cross_vocab import CrossVocabDrafter
-from jspec.drafters.draft_model import ModelDrafter
+from jspec.drafters.draft_model import CrossVocabDrafter, ModelDrafter
 from jspec.model import Model
 from jspec.pairing import make_decoder
 

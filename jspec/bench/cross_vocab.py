@@ -15,7 +15,7 @@ from jspec import model, pairing, testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.bench.timing import interleaved
-from jspec.drafters.cross_vocab import CrossVocabDrafter
+from jspec.drafters.draft_model import CrossVocabDrafter
 from jspec.settings import SpecConfig
 from jspec.tokenizer import detokenize, encode
 
