@@ -73,7 +73,7 @@ def vocab_map(target: Tokenizer, draft: Tokenizer, target_vocab: int, draft_voca
   key = _pair_key(*args)
   vmap = _memory.get(key) or _stored(key, args)
   _memory[key] = vmap
-  while len(_memory) > 8:
+  while len(_memory) > 8:  # the pairs of this process, the oldest dropped first
     _memory.pop(next(iter(_memory)))
   if vmap.shared_fraction < MIN_SHARED:
     raise ValueError(f"the draft's tokenizer shares {vmap.shared_fraction:.1%} of its vocabulary with the "
@@ -123,7 +123,7 @@ def _keys(tok: Tokenizer, vocab: int, eos: int | None) -> dict[int, object]:
 
 def build(target: Tokenizer, draft: Tokenizer, target_vocab: int, draft_vocab: int, target_eos: int | None,
           draft_eos: int | None) -> VocabMap:
-  """The tables of `VocabMap`, computed (seconds for vocabularies of 150k tokens)."""
+  """The tables of `VocabMap`, computed."""
   target_keys, draft_keys = _keys(target, target_vocab, target_eos), _keys(draft, draft_vocab, draft_eos)
   draft_of: dict[object, int] = {}
   for d in sorted(draft_keys):
