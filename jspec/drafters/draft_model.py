@@ -178,8 +178,8 @@ class CrossVocabDrafter(ModelDrafter):
   def for_tokenizers(cls, target: Model, draft: Model) -> CrossVocabDrafter:
     """The drafter for a draft whose tokenizer differs from the target's (both must have one)."""
     from jspec.vocab_map import vocab_map  # here: the decode loop itself never reads a tokenizer
-    tables = vocab_map(target.tokenizer, draft.tokenizer, target.config.vocab_size,
-                                 draft.config.vocab_size, target.config.eos_id, draft.config.eos_id)
+    tables = vocab_map(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size,
+                       target.config.eos_id, draft.config.eos_id)
     return cls(draft.config, vocab_size=target.config.vocab_size, spelling_len=tables.spelling_len,
                tables=tables)
 
@@ -195,8 +195,8 @@ class CrossVocabDrafter(ModelDrafter):
 
   @property
   def _widths(self) -> tuple[int, ...]:
-    """The catch-up forward's widths, narrowest first: a bonus token's spelling after a round that
-    accepted everything, any spelling after such a round, then `max_lag + 1` spellings."""
+    """The catch-up forward's widths, narrowest first: the last accepted draft and a bonus token of up to
+    two draft tokens (3), the same with any bonus token (L + 1), and `max_lag + 1` spellings."""
     wide = (self.lag + 1) * self.spelling_len
     return tuple(sorted({min(3, wide), min(self.spelling_len + 1, wide), wide}))
 
