@@ -1,6 +1,7 @@
 """The prepared accelerator check (`python -m jspec.bench --suite gpu`) runs end to end on tiny shapes
 (`--smoke`), on whatever backend this is, and its figures are sane: ratios of positive times, exact checks."""
 import json
+import math
 
 from jspec.bench.__main__ import main
 
@@ -16,7 +17,10 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path):
   assert lossless["greedy_speculative_equals_plain"] and lossless["greedy_equals_full_forward_argmax"]
   assert lossless["two_token_law_exact"] and lossless["cached_forward_matches"]
   target = sections["target"]
-  assert target["ar_ms_per_token"] > 0 and target["weight_streaming_bound_ms"] > 0 and target["bandwidth_gb_s"] > 0
+  # A per-token time is a difference of two decode times, which this shared CPU can even make negative: only
+  # ratios of times are asserted positive.
+  assert math.isfinite(target["ar_ms_per_token"])
+  assert target["weight_streaming_bound_ms"] > 0 and target["bandwidth_gb_s"] > 0
   assert abs(target["bound_over_measured"] - target["weight_streaming_bound_ms"] / target["ar_ms_per_token"]) < 1e-9
   curve = sections["verify"]["verify_over_step"]
   assert set(curve) == {"1", "2", "4", "8"} and curve["1"] == 1.0 and all(v > 0 for v in curve.values())

@@ -10,6 +10,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -28,6 +29,7 @@ from jspec.tokenizer import encode
 DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when not given (OpenAI's default)
 DISCONNECT_POLL = 0.1  # seconds between checks that a client waiting for a whole response is still there
 SHUTDOWN_SECONDS = 5.0
+CHECK_THREADS = 4  # threads that check requests (a new constraint compiles there, off the event loop)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -41,12 +43,14 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
   engine = loop.engine
+  checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jspec-check")
 
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI):
     loop.start()
     yield
     loop.shutdown(SHUTDOWN_SECONDS)
+    checker.shutdown(wait=False, cancel_futures=True)
 
   app = FastAPI(title="jspec", lifespan=lifespan)
   created = int(time.time())
@@ -123,7 +127,7 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
   async def respond(body, requests: list[Request], response: protocol.Response, http: HTTPRequest):
     try:
       # A new constraint compiles for up to seconds: off the event loop, so other streams keep flowing.
-      await asyncio.to_thread(lambda: [engine.check(r) for r in requests])
+      await asyncio.get_running_loop().run_in_executor(checker, lambda: [engine.check(r) for r in requests])
       ids, queue = loop.submit(requests)
     except ValueError as e:
       raise APIError(400, str(e)) from None
