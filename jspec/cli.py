@@ -460,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
   if not leader:  # every process ran the same program; one reports it
     return 0
   cost = (out.get("stats") or {}).get("cost_model")
-  if cost and cost["source"] == "neutral":
-    print("note: adaptive speculation ran on neutral cost figures (none measured for this pair on this device); "
+  if cost and cost["source"] != "calibrated" and not args.quiet:
+    figures = "neutral cost figures" if cost["source"] == "neutral" else "the checkpoint's cost figures"
+    print(f"note: adaptive speculation ran on {figures} (none measured for these models on this device); "
           f"measure them once with: {calibrate_command(args)}", file=sys.stderr)
   if args.json:
     print(json.dumps(out))

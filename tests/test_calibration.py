@@ -57,9 +57,10 @@ def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_s
   assert jspec.generate(target, [[1, 2]], max_new_tokens=4).stats.cost_model is None  # plain decoding
 
 
-def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys):
+def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys, monkeypatch):
   """A jspec directory pair: the CLI measures at batch 1, keeps the figures where generate finds them,
-  and with --write puts them in the draft's checkpoint; a run on neutral figures says how to calibrate."""
+  and with --write puts them in the draft's checkpoint; a run on neutral or checkpoint figures says how to
+  calibrate."""
   target, draft = testing.random_pair()
   jspec.save(target, tmp_path / "target")
   jspec.save(draft, tmp_path / "draft")
@@ -80,6 +81,14 @@ def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys):
   cost = json.loads(captured.out)["stats"]["cost_model"]
   assert cost["source"] == "calibrated" and cost["cost_ratio"] == figures["cost_ratio"]
   assert "jspec.calibrate" not in captured.err
+  # Elsewhere (another cache: another machine), the checkpoint's figures are used, and the note says so.
+  monkeypatch.setenv("JSPEC_CALIBRATION_DIR", str(tmp_path / "elsewhere"))
+  assert cli.main([*models, *run]) == 0
+  captured = capsys.readouterr()
+  assert json.loads(captured.out)["stats"]["cost_model"]["source"] == "checkpoint"
+  assert "the checkpoint's cost figures" in captured.err and "python -m jspec.calibrate" in captured.err
+  assert cli.main([*models, *run, "--quiet"]) == 0
+  assert capsys.readouterr().err == ""
   for bad, message in [(["--batches", "x"], "--batches"), (["--no-draft"], "no cost model")]:
     assert calibrate.main([*models, *bad]) == 2
     assert message in capsys.readouterr().err
