@@ -7,6 +7,7 @@ import pytest
 
 import jspec
 from jspec import adaptive, checkpoint, decode, drafters, pairing, shipped, testing
+from jspec.bench import end_to_end
 from jspec.config import num_params
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
@@ -155,6 +156,11 @@ def test_no_retrace_as_k_changes_at_run_time(pair):
     seen |= set(r.stats.draft_len_counts)
   assert len(seen) >= 3  # K really changed inside the compiled loop
   assert dict(decode.trace_counts) == before
+  # Rounds priced at a cost model of free drafts and verifies: one target step each, so τ.
+  free = dataclasses.replace(r.stats, cost_model=dict(r.stats.cost_model, cost_ratio=0.0, verify_cost=0.0,
+                                                        round_overhead=0.0))
+  assert end_to_end.priced_speedup(free) == pytest.approx(r.stats.mean_accepted_length)
+  assert end_to_end.priced_speedup(r.stats) < r.stats.mean_accepted_length  # drafts cost c = 0.1 each
 
 
 def test_disable_at_batch_size_decodes_plainly_while_that_many_rows_run(pair):
@@ -162,6 +168,7 @@ def test_disable_at_batch_size_decodes_plainly_while_that_many_rows_run(pair):
   spec = SpecConfig(draft_len=2, disable_at_batch_size=3)
   r = jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, spec=spec)
   assert r.stats.draft_forwards == 0 and r.stats.draft_len_counts == {0: 8}
+  assert end_to_end.priced_speedup(r.stats) is None  # priced for one row only
   # Rows that finish make room: the last prompt, alone in its slot, speculates.
   stream = jspec.stream(target, [[1], [2], [3], [4]], draft=draft, max_new_tokens=8, batch_size=3, spec=spec)
   drafted = [d.stats.drafted_tokens for d in stream if d.finished]
