@@ -417,11 +417,11 @@ def print_human(out: dict, texts: bool) -> None:
   print(line)
 
 
-def calibrate_command(args: argparse.Namespace) -> str:
-  """The `python -m jspec.calibrate` command for the models these flags chose."""
+def calibrate_command(args: argparse.Namespace, rows: int) -> str:
+  """The `python -m jspec.calibrate` command for the models these flags chose, decoding `rows` rows."""
   words = ["python -m jspec.calibrate", f"--target {args.target}"]
   words += [f"--draft {args.draft}"] * (args.draft is not None) + [f"--drafter {args.drafter}"] * bool(args.drafter)
-  words += [f"--dtype {args.dtype}"] * bool(args.dtype) + [f"--batches 1,{args.batch_size}"] * (args.batch_size > 1)
+  words += [f"--dtype {args.dtype}"] * bool(args.dtype) + [f"--batches 1,{rows}"] * (rows > 1)
   return " ".join(words)
 
 
@@ -463,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
   if cost and cost["source"] != "calibrated" and not args.quiet:
     figures = "neutral cost figures" if cost["source"] == "neutral" else "the checkpoint's cost figures"
     print(f"note: adaptive speculation ran on {figures} (none measured for these models on this device); "
-          f"measure them once with: {calibrate_command(args)}", file=sys.stderr)
+          f"measure them once with: {calibrate_command(args, min(args.batch_size, len(out['outputs'])))}",
+          file=sys.stderr)
   if args.json:
     print(json.dumps(out))
   else:

@@ -59,7 +59,8 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     policy = dataclasses.replace(policy.with_costs(measured, batch), disable_at_rows=disable_at,
                                  cost_source=source)
     if drafter.lags_plain_steps:  # plain steps leave it behind, by up to a probe interval (`jspec.adaptive`)
-      drafter = drafter.with_max_lag(policy.probe_interval + 1)
+      longest = drafter.context_len or target.config.max_seq_len  # and never by more than a text it holds
+      drafter = drafter.with_max_lag(min(policy.probe_interval + 1, longest))
   spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)
   return Decoder(target_params, params, target_config=target.config, drafter=drafter, spec=spec)
 

@@ -178,6 +178,15 @@ def test_disable_at_batch_size_decodes_plainly_while_that_many_rows_run(pair):
   assert jspec.generate(target, [[1]] * 3, draft=draft, max_new_tokens=8, spec=fixed).stats.drafter is None
 
 
+def test_a_draft_trails_the_text_by_at_most_a_probe_interval_or_its_context(pair):
+  """A draft model catches up the plain steps between probes in one forward: as wide as the interval, but
+  no wider than the longest text it holds (an interval of 10^5 asks no 10^5-token forward)."""
+  target, draft = pair
+  lag = lambda interval: pairing.make_decoder(target, draft, SpecConfig(
+      adaptive=AdaptiveConfig(probe_interval=interval)), 1).drafter.max_lag
+  assert lag(16) == 17 and lag(10 ** 5) == draft.config.max_seq_len
+
+
 def test_a_loaded_batch_steps_aside_when_its_verify_cannot_pay(pair):
   """Costs measured at 4 rows that no K can beat: a batch of 4 decodes plainly, one of 2 speculates."""
   target, draft = pair

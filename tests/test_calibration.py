@@ -70,6 +70,7 @@ def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys, 
   captured = capsys.readouterr()
   assert json.loads(captured.out)["stats"]["cost_model"]["source"] == "neutral"
   assert f"python -m jspec.calibrate --target {tmp_path / 'target'} --draft {tmp_path / 'draft'}" in captured.err
+  assert "--batches" not in captured.err  # one prompt ran as one row, whatever --batch-size allows
   assert calibrate.main([*models, "--batches", "1", "--draft-len", "2", "--repeats", "1", "--write",
                          "--json"]) == 0
   figures = json.loads(capsys.readouterr().out)
