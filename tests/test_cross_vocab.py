@@ -165,3 +165,20 @@ def test_the_memory_plan_counts_the_longer_draft_cache(code_target, tmp_path):
   assert isinstance(decoder.drafter, ModelDrafter) and not isinstance(decoder.drafter, CrossVocabDrafter)
   spelling = make_decoder(code_target, jspec.load(tmp_path / "cross"), testing.fixed_k(3), 1).drafter.spelling_len
   assert plans["cross"].usage.draft_kv_cache_bytes >= spelling * plans["same"].usage.draft_kv_cache_bytes
+
+
+def test_constrained_output_is_the_constrained_targets(code_target):
+  """The draft proposes from its distribution masked by the constraint, laid out over the target's
+  vocabulary: the target itself under another vocabulary then has every draft accepted."""
+  target = dataclasses.replace(code_target, config=dataclasses.replace(code_target.config, eos_id=0))
+  prompts, constraint = _prompts(target), jspec.Regex(r"[a-z_ ()]*")
+  plain = jspec.generate(target, prompts, max_new_tokens=24, constraint=constraint)
+  assert all(set(t) <= set("abcdefghijklmnopqrstuvwxyz_ ()") for t in plain.texts)
+  free = jspec.generate(target, prompts, max_new_tokens=24)
+  assert free.token_ids != plain.token_ids  # the constraint changes what the target says
+  for split in (0, 12):
+    got = jspec.generate(target, prompts, draft=testing.renamed_vocab(target, split=split, added=6),
+                         spec=testing.fixed_k(3), max_new_tokens=24, constraint=constraint)
+    assert got.token_ids == plain.token_ids
+    if split == 0:
+      assert got.stats.acceptance_rate == 1.0
