@@ -102,6 +102,11 @@ class Acceptance:
     return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
 
 
+def round_cost(draft_len, cost_ratio: float, verify_cost: float = 0.0, round_overhead: float = 0.0):
+  """What a speculative round of `draft_len` proposals costs, in target steps: 1 + o + K (c + v)."""
+  return 1 + round_overhead + draft_len * (cost_ratio + verify_cost)
+
+
 def expected_speedup(rates_BxK: jax.Array, cost_ratio: float, verify_cost: float = 0.0,
                      round_overhead: float = 0.0) -> jax.Array:
   """[B, K]: the expected speedup of drafting k = 1..K tokens, from per-position acceptance rates r_1..r_K,
@@ -109,7 +114,7 @@ def expected_speedup(rates_BxK: jax.Array, cost_ratio: float, verify_cost: float
   al.'s."""
   tokens_BxK = 1 + jnp.cumsum(jnp.cumprod(jnp.clip(rates_BxK, 0.0, 1.0), axis=-1), axis=-1)
   ks = jnp.arange(1, rates_BxK.shape[-1] + 1)
-  return tokens_BxK / (1 + round_overhead + ks * (cost_ratio + verify_cost))
+  return tokens_BxK / round_cost(ks, cost_ratio, verify_cost, round_overhead)
 
 
 def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import engine, pairing, shipped, testing
+from jspec import adaptive, engine, pairing, shipped, testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
 from jspec.bench.timing import interleaved
@@ -111,8 +111,8 @@ def priced_speedup(stats: jspec.Stats) -> float | None:
   cost = stats.cost_model
   if not cost or not stats.emitted_tokens or stats.rounds != stats.target_forwards:
     return None
-  c, v, o = (cost[name] for name in COST_FIELDS)
-  steps = sum(n * (1 if k == 0 else 1 + o + k * (c + v)) for k, n in stats.draft_len_counts.items())
+  figures = [cost[name] for name in COST_FIELDS]
+  steps = sum(n * (1 if k == 0 else adaptive.round_cost(k, *figures)) for k, n in stats.draft_len_counts.items())
   return stats.emitted_tokens / steps
 
 
