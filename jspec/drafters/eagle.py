@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jspec import cache as kvcache
 from jspec import model, tree
 from jspec.config import ModelConfig
+from jspec.drafters import losses
 from jspec.drafters.base import (
   DraftContext,
   Drafter,
@@ -43,7 +44,6 @@ from jspec.drafters.base import (
   dynamic_tree_shape,
 )
 from jspec.settings import SpecConfig, TreeConfig
-from jspec.training import losses
 
 
 @flax.struct.dataclass

@@ -17,6 +17,7 @@ from jax import lax
 
 from jspec import model, tree
 from jspec.config import ModelConfig
+from jspec.drafters import losses
 from jspec.drafters.base import (
   DraftContext,
   Drafter,
@@ -28,7 +29,6 @@ from jspec.drafters.base import (
   draw_path,
 )
 from jspec.settings import SpecConfig, TreeConfig
-from jspec.training import losses
 
 
 @dataclasses.dataclass(frozen=True)

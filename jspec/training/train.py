@@ -27,9 +27,10 @@ from tqdm import tqdm
 
 from jspec import checkpoint, drafters, model, registry
 from jspec.config import ModelConfig
+from jspec.drafters import losses
 from jspec.loading import load
 from jspec.tokenizer import EOS_TOKEN, load_tokenizer, same_vocab
-from jspec.training import data, losses
+from jspec.training import data
 
 
 def loss_fn(params, batch_BxS1, config: ModelConfig, teacher=None, ce_weight: float = 1.0):

@@ -1,5 +1,5 @@
-"""The losses that draft models and drafter heads are trained with (pure JAX: the drafters define their
-losses without the training stack)."""
+"""The losses drafters are trained with (pure JAX, beside the drafters that define theirs with them, so
+decoding never imports the training stack)."""
 from __future__ import annotations
 
 import jax
