@@ -24,7 +24,7 @@ The batch shares one target forward, so the policy is per batch:
   speculation off), or when `disable_at_rows` rows or more run. The fallback below also takes plain steps
   when no K would beat a plain step even at full acceptance, at the costs for the batch's width (a
   loaded batch). The serving engine runs each segment at the narrowest width that holds its busy rows
-  (`jspec.decode.run_rows`), so a server decodes plainly under load and speculates when quiet.
+  (`jspec.rows.run_rows`), so a server decodes plainly under load and speculates when quiet.
 - Fallback: when the mean windowed rate of the active rows whose window is full (W speculative rounds) is
   below `fallback_threshold`, or no K is expected to beat a plain step (a large batch, whose verify costs
   more), the round is a plain target step (branch 0); a rate from fewer rounds is too noisy to stop on

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from jspec import constraints, decode, engine, memory, sharding
+from jspec import constraints, engine, memory, sharding
 from jspec.constraints import Constraint
+from jspec.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
 from jspec.model import Model
-from jspec.pairing import make_decoder
 from jspec.request import check_prompts, make_requests, seed_array
 from jspec.scheduler import SEGMENT_ROUNDS, Engine, Stream
 from jspec.settings import SamplingConfig, SpecConfig
@@ -60,7 +60,7 @@ def _mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:
 
 def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size: int | None,
              sampling: SamplingConfig | list[SamplingConfig],
-             mesh: Mesh | None) -> tuple[list[list[int]], decode.Decoder]:
+             mesh: Mesh | None) -> tuple[list[list[int]], Decoder]:
   """Validated token ids and the decoder for the rows that run: every prompt, or at most `batch_size`."""
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]

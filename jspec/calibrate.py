@@ -49,7 +49,8 @@ def batches(text: str) -> list[int]:
 def calibrate(args: argparse.Namespace) -> tuple[dict, str]:
   """Measures, stores, and returns (the figures as JSON, where they were stored)."""
   import jspec
-  from jspec import calibration, checkpoint, costs, pairing
+  from jspec import calibration, checkpoint, costs
+  from jspec.decoder import drafter_kind
   from jspec.settings import MAX_DRAFT_LEN
 
   sizes = batches(args.batches)
@@ -59,7 +60,7 @@ def calibrate(args: argparse.Namespace) -> tuple[dict, str]:
     raise ValueError("--no-draft: plain decoding has no cost model to calibrate")
   target = jspec.load(shipped.resolve(args.target), dtype=args.dtype)
   draft, kind = cli.load_draft(args, lambda path: jspec.load(path, dtype=args.dtype))
-  kind = kind or pairing.drafter_kind(draft)
+  kind = kind or drafter_kind(draft)
   cli.log.info("measuring the %s drafter's costs at batch %s", kind, ", ".join(map(str, sizes)))
   cost = calibration.measure(target, draft, kind, sizes, args.repeats, args.draft_len)
   where = str(costs.store(target, draft, kind, cost))

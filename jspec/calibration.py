@@ -19,8 +19,9 @@ import numpy as np
 from jax import lax
 
 from jspec import cache as kvcache
-from jspec import costs, decode, model, pairing
+from jspec import costs, decode, model
 from jspec.config import ModelConfig, num_params
+from jspec.decoder import make_decoder
 from jspec.request import make_requests
 from jspec.settings import CostModel, SpecConfig
 
@@ -82,7 +83,7 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
 def started(target, draft, kind: str, draft_len: int, batch: int, used: int = USED, max_new: int = 10 ** 6):
   """A decoder and its state after prefilling `batch` random prompts of `used` tokens, greedy, in a cache of
   512 slots."""
-  decoder = pairing.make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
+  decoder = make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
   prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)).tolist()
   requests = make_requests(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
   return decoder, decode.start(decoder, requests.replace(max_new_tokens_B=np.full((batch,), max_new, np.int32)))

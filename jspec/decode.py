@@ -1,9 +1,9 @@
 """The decode loop, its state, and its steps: autoregressive (the baseline) and speculative.
 
-A `Decoder` bundles what the loop runs (weights, and the static program: configs, drafter, speculation
-settings); `Requests` holds a batch's per-row inputs as arrays; `start` builds the `DecodeState` and runs
+A `Decoder` (`jspec.decoder`) bundles what the loop runs (weights, and the static program: configs, drafter,
+speculation settings); `Requests` holds a batch's per-row inputs as arrays; `start` builds the `DecodeState` and runs
 both prefills; `run` is ONE `lax.while_loop` of `step` until every row is done. The steps are public, for
-research code that drives rounds itself.
+research code that drives rounds itself; `jspec.rows` decodes and refills rows of a running batch.
 
 Invariants at the top of every round, for each row b with `n = seq_lens[b]` tokens (prompt + emitted):
 the target cache holds tokens `[0, n-1)`, and token n-1 is fed by the next target forward, so every round
@@ -17,76 +17,27 @@ constrained target.
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import adaptive, model, request, tree
+from jspec import adaptive, model, tree
 from jspec import cache as kvcache
 from jspec.automaton import Automata
-from jspec.config import ModelConfig
 from jspec.control import run_if, run_switch
-from jspec.drafters.base import DraftContext, Drafter, DrafterState, DraftWeights, Proposal, TreeProposal
+from jspec.decoder import Decoder
+from jspec.drafters.base import DraftContext, DrafterState, Proposal, TreeProposal
 from jspec.request import Requests
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
-from jspec.settings import AdaptiveConfig, SpecConfig
+from jspec.settings import AdaptiveConfig
 from jspec.stats import DecodeStats
 from jspec.verify import verify, verify_greedy, verify_typical
 
 # A debugging counter: how many times `run` was traced in this process, by kind of loop. A count that grows
 # across requests of one shape means they recompile (the tests assert it does not).
 trace_counts: collections.Counter = collections.Counter()
-
-
-@flax.struct.dataclass
-class Decoder:
-  """What the loop runs: the weights (pytree leaves) and the program (static fields, hashable: part of the
-  compiled shape). Plain decoding when `drafter` is None; otherwise `spec` has the adaptive policy's cost
-  model set (`AdaptiveConfig.with_costs`). `jspec.pairing.make_decoder` builds one; on a mesh, `layout`
-  says how the caches are laid out (`jspec.sharding.place_decoder`)."""
-  target_params: model.Params
-  drafter_params: Any = None
-  target_config: ModelConfig = flax.struct.field(pytree_node=False, default=None)
-  drafter: Drafter | None = flax.struct.field(pytree_node=False, default=None)
-  spec: SpecConfig | None = flax.struct.field(pytree_node=False, default=None)
-  layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.sharding.Layout on a mesh
-
-  @property
-  def adaptive(self) -> AdaptiveConfig | None:
-    return None if self.spec is None else self.spec.adaptive
-
-  @property
-  def draft_len(self) -> int:
-    """K (K_max when adaptive); 1 for plain decoding, which keeps statistics of the same shapes."""
-    return self.spec.draft_len if self.drafter is not None else 1
-
-  @property
-  def weights(self) -> DraftWeights:
-    return DraftWeights(self.drafter_params, self.target_params)
-
-  @property
-  def feature_layers(self) -> tuple[int, ...]:
-    """The target layers whose outputs the drafter reads (none: the final-normed hidden state)."""
-    return () if self.drafter is None else self.drafter.feature_layers
-
-  @property
-  def headroom(self) -> int:
-    """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
-    if self.drafter is None:
-      return 0
-    shape = self.spec.tree
-    # A tree's verify writes its nodes; a growing drafter writes top_k entries per level but the last.
-    written = self.spec.draft_len if shape is None else max(shape.nodes, shape.top_k * (self.spec.draft_len - 1))
-    return max(written, self.drafter.max_lag)
-
-  @property
-  def context_len(self) -> int:
-    """The longest text a row may hold: the target's context, or the drafter's if shorter."""
-    limit = None if self.drafter is None else self.drafter.context_len
-    return min(self.target_config.max_seq_len, limit or self.target_config.max_seq_len)
 
 
 @flax.struct.dataclass
@@ -106,11 +57,6 @@ class DecodeState:
   speculate_B: jax.Array  # bool: row b's drafts may be accepted (else it decodes plainly in every round)
   constraint: Automata | None = None  # each row's constraint and its state (None: no row is constrained)
 
-  # The unsuffixed names of the previous release, read-only, for one release.
-  tokens = property(lambda self: self.tokens_BxT)
-  seq_lens = property(lambda self: self.seq_lens_B)
-  done = property(lambda self: self.done_B)
-
   @property
   def num_emitted(self) -> jax.Array:
     return self.seq_lens_B - self.prompt_lens_B
@@ -119,14 +65,6 @@ class DecodeState:
   def context(self) -> DraftContext:
     """What a drafter reads of the rows."""
     return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling, self.constraint)
-
-
-# Aliases of one release for names that moved to `jspec.request` (`make_requests` builds both parts).
-required_capacity = request.capacity  # already rounded: rounding it again changes nothing
-
-
-def stop_ids(target_config: ModelConfig, batch: int, ignore_eos: bool = False):
-  return request.stop_table(() if ignore_eos else target_config.stop_ids, batch)
 
 
 def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None) -> DecodeState:
@@ -399,59 +337,3 @@ def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None
     return ~jnp.all(state.done_B) & (rounds < max_rounds) & ~finished
 
   return lax.while_loop(more, lambda c: (step(decoder, c[0]), c[1] + 1), (state, jnp.int32(0)))[0]
-
-
-def run_rows(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
-             stop_at_finish: jax.Array | bool = False, retire_B: jax.Array | None = None, *,
-             width: int) -> DecodeState:
-  """`run` over the first `width` rows only (static: one program per width); the other rows must be done
-  (idle slots). Done rows still cost their share of every batched forward, so a running batch whose busy
-  rows fit a narrower width decodes faster in it. `retire_B` marks rows of any width to end first (aborted
-  requests, idle slots)."""
-  if retire_B is not None:
-    state = state.replace(done_B=state.done_B | retire_B)
-  blocks = _state_row_blocks(decoder, state)
-  leaves, treedef = jax.tree.flatten(state)
-  narrow = [x if b is None else lax.slice_in_dim(x, 0, width * b[1], axis=b[0]) for x, b in zip(leaves, blocks)]
-  narrow = jax.tree.leaves(run(decoder, jax.tree.unflatten(treedef, narrow), max_rounds, stop_at_finish))
-  return jax.tree.unflatten(treedef, [y if b is None else lax.dynamic_update_slice_in_dim(x, y, 0, b[0])
-                                      for x, y, b in zip(leaves, narrow, blocks)])
-
-
-def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, int] | None]:
-  """`_row_blocks` for a running state: requests of its shapes."""
-  capacity, stop_width = state.tokens_BxT.shape[1], state.stop_BxE.shape[1]
-  shape = None if state.constraint is None else state.constraint.bucket
-  requests = request.make_requests(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width,
-                                   constraint_shape=shape)
-  return _row_blocks(decoder, requests, capacity)
-
-
-def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.Array) -> DecodeState:
-  """Starts `requests` (R rows) in rows `[slot, slot + R)` of a running state, as `start` would have in a
-  state of their own: their tokens, caches, drafter state, sampling values, keys and per-row statistics
-  are replaced; the batch-wide statistics keep counting. Rows are contiguous blocks of every per-row
-  buffer, so a mesh's heads-major cache layout cannot take an insert."""
-  if state.target_cache.heads_major:
-    raise ValueError("insert needs batch-major caches (a mesh that splits kv heads lays them out by head)")
-  capacity = state.tokens_BxT.shape[1]
-  fresh = start(decoder, requests, capacity)
-  leaves, treedef = jax.tree.flatten(state)
-  new_leaves = [x if block is None else lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), slot * block[1],
-                                                                        block[0])
-                for x, y, block in zip(leaves, jax.tree.leaves(fresh), _row_blocks(decoder, requests, capacity))]
-  return jax.tree.unflatten(treedef, new_leaves)
-
-
-def _row_blocks(decoder: Decoder, requests: Requests, capacity: int) -> list[tuple[int, int] | None]:
-  """For each leaf of a `DecodeState`: (axis, rows of it per batch row), or None for a batch-wide leaf,
-  found by comparing the state's shapes for batches of one and two rows."""
-  def shapes(batch):
-    as_batch = lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype)
-    return jax.tree.leaves(jax.eval_shape(lambda r: init_state(decoder, r, capacity),
-                                          jax.tree.map(as_batch, requests)))
-  blocks = []
-  for one, two in zip(shapes(1), shapes(2)):
-    axes = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
-    blocks.append((axes[0], two.shape[axes[0]] - one.shape[axes[0]]) if axes else None)
-  return blocks

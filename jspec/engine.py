@@ -18,7 +18,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec import decode, executables, request, sampling, sharding
-from jspec.decode import Decoder, Requests
+from jspec.decoder import Decoder
+from jspec.request import Requests
+from jspec.rows import insert, run_rows
 from jspec.settings import SamplingConfig
 from jspec.stats import DecodeStats
 
@@ -53,8 +55,8 @@ def lower(decoder: Decoder, requests: Requests) -> Any:
 # of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
 # place on accelerators, and the caller holds only what each call returns.
 start = jax.jit(decode.start, static_argnames="capacity")
-resume_rows = jax.jit(decode.run_rows, static_argnames="width", donate_argnames="state")
-insert = jax.jit(decode.insert, donate_argnames="state")
+resume_rows = jax.jit(run_rows, static_argnames="width", donate_argnames="state")
+insert = jax.jit(insert, donate_argnames="state")
 
 # Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.
 MAX_EXECUTABLES = 32

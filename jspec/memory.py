@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 
 from jspec import cache as kvcache
 from jspec import decode, request, sharding
-from jspec.decode import Decoder
+from jspec.decoder import Decoder, make_decoder
 from jspec.request import Requests
 from jspec.sampling import sampling_arrays
 
@@ -88,9 +88,8 @@ class Usage:
 
 
 def shaped_decoder(target, draft, spec, batch: int) -> Decoder:
-  """`jspec.pairing.make_decoder` over models whose parameters may be shapes only (`jspec.loading.load_shapes`):
+  """`make_decoder` over models whose parameters may be shapes only (`jspec.loading.load_shapes`):
   a decoder of abstract arrays, nothing allocated."""
-  from jspec.pairing import make_decoder  # the pairing of models sits above the plan
   with_params = lambda m, p: None if m is None else dataclasses.replace(m, params=p)
   return jax.eval_shape(lambda tp, dp: make_decoder(with_params(target, tp), with_params(draft, dp), spec, batch),
                         target.params, None if draft is None else draft.params)

@@ -88,7 +88,7 @@ def logits_from_hidden(params: Params, hidden_BxSxD: jax.Array, config: ModelCon
 def with_head(params: Params) -> Params:
   """`params` with an explicit `lm_head [D,V]`. A tied head read as `embed.T` inside the decode loop makes
   every multi-token LM head a transposed matmul, much slower on XLA:CPU (docs/cpu-performance.md);
-  `jspec.pairing.make_decoder` calls this once per decoder, which keeps one copy of the embedding."""
+  `jspec.decoder.make_decoder` calls this once per decoder, which keeps one copy of the embedding."""
   return params if "lm_head" in params else {**params, "lm_head": params["embed"].T}
 
 

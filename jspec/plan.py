@@ -75,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def plan(args: argparse.Namespace):
-  from jspec import loading, memory, pairing, sharding
+  from jspec import loading, memory, sharding
+  from jspec.decoder import drafter_kind
   from jspec.settings import SpecConfig
 
   for name in ("batch_size", "context", "prompt_len", "draft_len"):
@@ -86,7 +87,7 @@ def plan(args: argparse.Namespace):
   if not isinstance(target, loading.Model):
     raise ValueError(f"--target {args.target}: heads, not a model")
   draft, drafter = cli.load_draft(args, load)
-  drafter = drafter or (draft and pairing.drafter_kind(draft))
+  drafter = drafter or (draft and drafter_kind(draft))
   spec = None if drafter is None and draft is None else SpecConfig(args.draft_len, drafter=drafter)
   sizes = sharding.mesh_sizes(args.mesh or "")
   mesh = memory.planned_mesh(sizes) if args.mesh else None

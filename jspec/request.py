@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -18,12 +17,9 @@ import numpy as np
 from jspec import automaton
 from jspec import cache as kvcache
 from jspec.automaton import Automata, Tables
+from jspec.decoder import Decoder
 from jspec.sampling import SamplingParams, sampling_arrays
 from jspec.settings import SamplingConfig
-
-if TYPE_CHECKING:
-  from jspec.decode import Decoder
-
 
 GREEDY = SamplingConfig()
 

@@ -4,11 +4,11 @@ rounds are accepted, and can be aborted. `jspec.stream`, the CLI's continuous ba
 
 The batch has a fixed number of rows (slots) and a fixed capacity (tokens a row may hold), set when the
 engine starts, so nothing compiles per request. An online engine runs each segment over the first 1, 2, 4,
-... rows that hold every busy one (`jspec.decode.run_rows`): an idle row would still cost its share of
+... rows that hold every busy one (`jspec.rows.run_rows`): an idle row would still cost its share of
 every forward. The
 decode loop runs in segments (`jspec.decode.run` with `max_rounds`), each one executable call that keeps
 the whole loop on the device; between segments the host (`Engine.step`) ends aborted rows, prefills
-waiting requests into free slots (`jspec.decode.insert`: their cache rows, drafter state, sampling values,
+waiting requests into free slots (`jspec.rows.insert`: their cache rows, drafter state, sampling values,
 stop tokens and seed), runs the next segment, and reads the new tokens of every row as text deltas. First
 come, first served. A segment ends early when a row finishes while requests wait, so a free slot does not
 idle. A request's tokens depend only on its own row, so they are those it would get decoded alone (with a
@@ -29,7 +29,7 @@ import numpy as np
 
 from jspec import automaton, constraints, engine, memory, request, sharding
 from jspec.constraints import Constraint
-from jspec.decode import Decoder
+from jspec.decoder import Decoder
 from jspec.request import GREEDY
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats

@@ -184,7 +184,7 @@ def place(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
 
 
 def place_decoder(mesh: Mesh, decoder: Any, batch: int, shard_draft: bool = True) -> Any:
-  """A `jspec.decode.Decoder` with its weights placed on the mesh by the rules above (the drafter's too,
+  """A `jspec.decoder.Decoder` with its weights placed on the mesh by the rules above (the drafter's too,
   unless `shard_draft=False` replicates them) and the cache `layout` for batches of `batch` rows."""
   target_params, drafter_params = decoder.target_params, decoder.drafter_params
   draft_config = None if decoder.drafter is None else decoder.drafter.config

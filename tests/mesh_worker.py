@@ -24,7 +24,8 @@ if args.coordinator:
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import engine, hf, model, pairing, sharding, testing  # noqa: E402
+from jspec import engine, hf, model, sharding, testing  # noqa: E402
+from jspec.decoder import make_decoder  # noqa: E402
 from jspec.request import make_requests  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
@@ -67,7 +68,7 @@ def continuous(mesh):
 def collectives(mesh, mode):
   """all-reduce / all-gather counts in the while bodies of the loop `runs` compiled for the mesh: "ar", or
   speculative with a "sharded" or "replicated" draft (the same executables: nothing compiles again)."""
-  decoder = pairing.make_decoder(target, *((None, None) if mode == "ar" else (draft, FIXED)), batch=8)
+  decoder = make_decoder(target, *((None, None) if mode == "ar" else (draft, FIXED)), batch=8)
   requests = make_requests(decoder, prompts, 12)
   decoder = sharding.place_decoder(mesh, decoder, 8, shard_draft=mode != "replicated")
   requests = sharding.place(requests, mesh)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import adaptive, checkpoint, decode, drafters, pairing, shipped, testing
+from jspec import adaptive, checkpoint, decode, drafters, shipped, testing
 from jspec.bench import end_to_end
 from jspec.config import num_params
+from jspec.decoder import make_decoder
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 POLICY = AdaptiveConfig(cost_ratio=0.1, verify_cost=0.05, round_overhead=0.0, fallback_threshold=0.4,
@@ -182,7 +183,7 @@ def test_a_draft_trails_the_text_by_at_most_a_probe_interval_or_its_context(pair
   """A draft model catches up the plain steps between probes in one forward: as wide as the interval, but
   no wider than the longest text it holds (an interval of 10^5 asks no 10^5-token forward)."""
   target, draft = pair
-  lag = lambda interval: pairing.make_decoder(target, draft, SpecConfig(
+  lag = lambda interval: make_decoder(target, draft, SpecConfig(
       adaptive=AdaptiveConfig(probe_interval=interval)), 1).drafter.max_lag
   assert lag(16) == 17 and lag(10 ** 5) == draft.config.max_seq_len
 
@@ -193,7 +194,7 @@ def test_a_loaded_batch_steps_aside_when_its_verify_cannot_pay(pair):
   measured = CostModel(0.1, 0.05, 0.2, batches={4: CostModel(0.5, 0.6, 1.0)}, **testing.measured_here())
   draft = dataclasses.replace(draft, cost_models={"model": measured})
   spec = SpecConfig(draft_len=2)
-  policy = pairing.make_decoder(target, draft, spec, 4).spec.adaptive
+  policy = make_decoder(target, draft, spec, 4).spec.adaptive
   assert policy.costs_by_rows == ((0.1, 0.05, 0.2),) * 3 + ((0.5, 0.6, 1.0),)
   # Four rows decode plainly; once the last two have ended, the first two run at width 2, and speculate.
   engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=64)
@@ -212,7 +213,7 @@ def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
   checkpoint.save(dataclasses.replace(draft, cost_models={"model": measured}), tmp_path / "draft")
   loaded = jspec.load(tmp_path / "draft")
   assert loaded.cost_models == {"model": measured}
-  policy = lambda t, d, batch=1, **kw: pairing.make_decoder(t, d, SpecConfig(adaptive=AdaptiveConfig(**kw)),
+  policy = lambda t, d, batch=1, **kw: make_decoder(t, d, SpecConfig(adaptive=AdaptiveConfig(**kw)),
                                                             batch).spec.adaptive
   assert policy(target, loaded).cost == CostModel(0.3, 0.05, 0.7)
   # A batch takes the costs measured at the largest batch up to its size.
@@ -228,8 +229,8 @@ def test_the_measured_cost_model_travels_with_the_checkpoint(pair, tmp_path):
   assert policy(target, jspec.load(tmp_path / "medusa")).cost == CostModel(0.3, 0.05, 0.7)
   ngram = dataclasses.replace(target, cost_models={"ngram": measured})
   spec = SpecConfig(drafter="ngram", adaptive=AdaptiveConfig())
-  assert pairing.make_decoder(ngram, None, spec, 1).spec.adaptive.cost == CostModel(0.3, 0.05, 0.7)
-  assert pairing.make_decoder(target, None, spec, 1).spec.adaptive.cost == CostModel(0.0)
+  assert make_decoder(ngram, None, spec, 1).spec.adaptive.cost == CostModel(0.3, 0.05, 0.7)
+  assert make_decoder(target, None, spec, 1).spec.adaptive.cost == CostModel(0.0)
 
 
 @pytest.mark.parametrize("pair", shipped.PAIRS.values(), ids=shipped.PAIRS)

@@ -8,7 +8,8 @@ import jax
 import pytest
 
 import jspec
-from jspec import calibrate, calibration, checkpoint, cli, costs, pairing, testing
+from jspec import calibrate, calibration, checkpoint, cli, costs, testing
+from jspec.decoder import make_decoder
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 
@@ -42,7 +43,7 @@ def test_a_calibration_is_kept_for_exactly_its_models_and_devices(tmp_path):
 
 def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_says_which(tmp_path):
   target, draft = testing.random_pair()
-  policy = lambda d: pairing.make_decoder(target, d, SpecConfig(adaptive=AdaptiveConfig()), 1).spec.adaptive
+  policy = lambda d: make_decoder(target, d, SpecConfig(adaptive=AdaptiveConfig()), 1).spec.adaptive
   # Figures measured on other devices are not used; on these, they are.
   elsewhere = dataclasses.replace(draft, cost_models={"model": CostModel(0.3, 0.1, 0.6, backend="gpu",
                                                                          device_kind="NVIDIA H200")})

@@ -10,9 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jspec
 from jspec import loading, memory, model, shipped, testing, tokenizer, vocab_map
+from jspec.decoder import make_decoder
 from jspec.drafters.draft_model import CrossVocabDrafter, ModelDrafter
 from jspec.model import Model
-from jspec.pairing import make_decoder
 
 # The law pair: a target over 16 letters, a draft over 8 of them, 3 others and a merge of two shared ones.
 TARGET_LETTERS = list("abcdefghijklmnop")

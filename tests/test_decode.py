@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import decode, pairing, testing
+from jspec import decode, testing
+from jspec.decoder import make_decoder
 from jspec.request import make_requests
 
 NO_EOS = testing.NO_EOS
@@ -104,7 +105,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
 
 def test_requests_stop_each_row_at_its_own_tokens(pair):
   target, _ = pair
-  decoder = pairing.make_decoder(target, None, None, 2)
+  decoder = make_decoder(target, None, None, 2)
   per_row = make_requests(decoder, [[1, 2], [3]], 4, stop_ids=[[7], [8, 9]])
   assert per_row.stop_BxE.tolist() == [[7, -1], [8, 9]]
   assert make_requests(decoder, [[1]], 4, stop_ids=[5, 6]).stop_BxE.tolist() == [[5, 6]]
@@ -139,7 +140,7 @@ def test_chex_max_traces_on_the_pure_loop(pair):
 
   target, draft = pair
   chex.clear_trace_counter()
-  decoder = pairing.make_decoder(target, draft, jspec.SpecConfig(draft_len=3, adaptive=None), batch=2)
+  decoder = make_decoder(target, draft, jspec.SpecConfig(draft_len=3, adaptive=None), batch=2)
   template = make_requests(decoder, [[1] * 16] * 2, 6)
 
   @jax.jit

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import checkpoint, decode, drafters, pairing, shipped, testing
+from jspec import checkpoint, decode, drafters, shipped, testing
+from jspec.decoder import make_decoder
 from jspec.request import make_requests
 from jspec.settings import SpecConfig
 
@@ -65,7 +66,7 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   draft_len, batch, width = 4, 16, 16
   draft = testing.random_eagle3(target) if kind == "eagle3" else make_draft(kind, target)
   spec = SpecConfig(draft_len, drafter=kind.rstrip("3"), adaptive=None)
-  decoder = pairing.make_decoder(target, draft, spec, batch)
+  decoder = make_decoder(target, draft, spec, batch)
   ps = prompts(batch, seed=2)
   requests = make_requests(decoder, ps, 64, width=width)
   keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)

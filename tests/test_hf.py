@@ -20,8 +20,9 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import convert, hf, model, pairing, testing  # noqa: E402
+from jspec import convert, hf, model, testing  # noqa: E402
 from jspec.checkpoint import save  # noqa: E402
+from jspec.decoder import make_decoder  # noqa: E402
 from jspec.tokenizer import byte_tokenizer, encode  # noqa: E402
 
 FIXED = testing.fixed_k(3)  # every round drafts 3: the tests exercise verification
@@ -236,7 +237,7 @@ def test_a_draft_with_a_padded_vocabulary(tmp_path):
       sampled = jspec.generate(target, [PROMPT] * 8, draft=draft, max_new_tokens=NEW, spec=FIXED, temperature=1)
       assert all(max(ids) < 264 for ids in sampled.token_ids)
     # Proposals are over the target's vocabulary and never past the smaller one.
-    decoder = pairing.make_decoder(target, draft, None, 1)
+    decoder = make_decoder(target, draft, None, 1)
     logits = decoder.drafter._logits(draft.params, np.ones((1, 1, 64), np.float32))
     assert logits.shape[-1] == 264 and np.all(np.isneginf(np.asarray(logits)[..., min(rows, 264):]))
 
@@ -254,7 +255,7 @@ def test_a_draft_of_another_family_with_another_tokenizer(tmp_path):
   spm.save(str(path / "tokenizer.json"))
   _, draft_path = make_hf(tmp_path, "qwen2", seed=3, num_hidden_layers=1)
   target, draft = jspec.load(path), jspec.load(draft_path)
-  assert type(pairing.make_decoder(target, draft, FIXED, 1).drafter).__name__ == "CrossVocabDrafter"
+  assert type(make_decoder(target, draft, FIXED, 1).drafter).__name__ == "CrossVocabDrafter"
   prompts = [encode(target.tokenizer, "def load(path"), encode(target.tokenizer, "import jspec\n\nx = 1\n")]
   got = jspec.generate(target, prompts, draft=draft, max_new_tokens=NEW, spec=FIXED)
   assert got.token_ids == [hf_greedy(m, p, NEW) for p in prompts]

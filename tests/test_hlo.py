@@ -5,7 +5,8 @@ import jax
 import pytest
 
 from jspec import cache as kvcache
-from jspec import decode, drafters, engine, model, testing, tree
+from jspec import drafters, engine, model, testing, tree
+from jspec.decoder import Decoder
 from jspec.request import make_requests
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
 
@@ -33,8 +34,8 @@ def _decoder_and_requests(batch, kind, capacity=512):
       "model-tree": (drafters.ModelDrafter(DRAFT, lag=3), draft.params, SpecConfig(3, tree=TreeConfig(3, 8))),
       "eagle-tree": (eagle.drafter, eagle.params, SpecConfig(3, tree=TreeConfig(3, 8))),
   }[kind]
-  # The target's head made explicit, as `pairing.make_decoder` does: the program that runs.
-  decoder = decode.Decoder(model.with_head(target.params), draft_params, target_config=CONFIG, drafter=drafter,
+  # The target's head made explicit, as `make_decoder` does: the program that runs.
+  decoder = Decoder(model.with_head(target.params), draft_params, target_config=CONFIG, drafter=drafter,
                            spec=spec)
   return decoder, make_requests(decoder, [[0, 0, 0]] * batch, 8, capacity_slots=capacity)
 

@@ -9,8 +9,9 @@ import pytest
 
 import jspec
 from jspec import cache as kvcache
-from jspec import checkpoint, decode, model, pairing, testing, tree
+from jspec import checkpoint, decode, model, testing, tree
 from jspec.config import num_params
+from jspec.decoder import make_decoder
 from jspec.settings import DEFAULT_TREE, CostModel, SpecConfig, TreeConfig
 
 # Chunk entry 0 is the pending token; node m is entry m + 1. Three children of the pending token, two
@@ -249,7 +250,7 @@ def test_tree_decoding_keeps_the_exact_two_token_law(kind, sp, sampled):
 
 
 def test_an_unset_tree_shape_is_the_drafters_measured_one(target, tmp_path):
-  shape = lambda draft, tree_config, depth=3, t=target: pairing.make_decoder(
+  shape = lambda draft, tree_config, depth=3, t=target: make_decoder(
       t, draft, SpecConfig(draft_len=depth, tree=tree_config), 1).spec.tree
   draft = _draft("model", target)
   assert (shape(draft, TreeConfig()).top_k, shape(draft, TreeConfig()).nodes) == DEFAULT_TREE  # none measured

@@ -11,10 +11,11 @@ import jax
 import numpy as np
 
 import jspec
-from jspec import model, pairing, testing
+from jspec import model, testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.bench.timing import interleaved
+from jspec.decoder import make_decoder
 from jspec.drafters.draft_model import CrossVocabDrafter
 from jspec.settings import SpecConfig
 from jspec.tokenizer import detokenize, encode
@@ -60,11 +61,11 @@ def suite_cross_vocab(pair: Models, others: list[str], draft_lens: list[int], se
 
 
 def _is_cross(target, draft) -> bool:
-  return isinstance(pairing.make_decoder(target, draft, testing.fixed_k(1), 1).drafter, CrossVocabDrafter)
+  return isinstance(make_decoder(target, draft, testing.fixed_k(1), 1).drafter, CrossVocabDrafter)
 
 
 def _describe(target, draft) -> dict:
-  decoder = pairing.make_decoder(target, draft, testing.fixed_k(1), 1)
+  decoder = make_decoder(target, draft, testing.fixed_k(1), 1)
   described = {"params": int(sum(x.size for x in jax.tree.leaves(draft.params))),
                "vocab_size": draft.config.vocab_size}
   if isinstance(decoder.drafter, CrossVocabDrafter):
@@ -84,7 +85,7 @@ def first_draft_acceptance(target, draft, prompts: list[list[int]], outputs: lis
   intersection) is the target's next token, when it reads the text as the loop spells it (each target
   token's spelling in turn) and when it reads the text re-tokenized whole by its own tokenizer (as
   transformers' universal assisted generation does each round)."""
-  tables = pairing.make_decoder(target, draft, testing.fixed_k(1), 1).drafter.tables
+  tables = make_decoder(target, draft, testing.fixed_k(1), 1).drafter.tables
   forward = jax.jit(lambda p, t: model.forward_full(p, t, draft.config)[0][0])
   padded = lambda ids: np.pad(np.asarray(ids, np.int32), (0, -len(ids) % 128))[None]
   hits = {"spelled": 0, "retokenized": 0}

@@ -10,10 +10,11 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import adaptive, engine, pairing, shipped, testing
+from jspec import adaptive, engine, shipped, testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
 from jspec.bench.timing import interleaved
+from jspec.decoder import make_decoder
 from jspec.settings import COST_FIELDS, AdaptiveConfig, CostModel, SpecConfig
 
 
@@ -24,7 +25,7 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
   variants["adaptive"] = dict(draft_len=6, spec=SpecConfig(drafter=kind, adaptive=AdaptiveConfig()))
   variants["adaptive_no_fallback"] = dict(draft_len=6, spec=SpecConfig(
       drafter=kind, adaptive=AdaptiveConfig(fallback_threshold=0.0)))
-  cost = pairing.make_decoder(target, draft, variants["adaptive"]["spec"], 1).spec.adaptive.cost
+  cost = make_decoder(target, draft, variants["adaptive"]["spec"], 1).spec.adaptive.cost
   costs = dict(cost_ratio=cost.cost_ratio, verify_cost=cost.verify_cost, round_overhead=cost.round_overhead)
   out = {"drafter": kind, **costs, "max_new_tokens": max_new, "sets": {}}
   for name, prompts in [("code", heldout_prompts(prompts_per_set)), ("prose", prose_prompts(prompts_per_set))]:

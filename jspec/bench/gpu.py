@@ -28,10 +28,11 @@ from jax import lax
 
 import jspec
 from jspec import cache as kvcache
-from jspec import decode, engine, model, pairing, shipped, testing
+from jspec import decode, engine, model, shipped, testing
 from jspec.bench.timing import interleaved
 from jspec.calibration import step_loop
 from jspec.config import ModelConfig, num_params
+from jspec.decoder import make_decoder
 from jspec.request import make_requests
 from jspec.settings import SpecConfig
 from jspec.tokenizer import byte_tokenizer
@@ -98,7 +99,7 @@ def target_section(config: ModelConfig, params, smoke: bool) -> dict:
   bw = bandwidth_gb_s(smoke)
   m = jspec.Model(config, params, TOKENIZER)
   prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
-  decoder = pairing.make_decoder(m, None, None, 1)
+  decoder = make_decoder(m, None, None, 1)
   requests = make_requests(decoder, prompt, new, ignore_eos=True)
   executable, compile_s = engine.compiled_run(decoder, requests)
   first = requests.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
@@ -124,12 +125,12 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
   out = {"draft_params": num_params(draft_config), "round_in_target_steps": {}}
   prompt = np.random.default_rng(0).integers(0, target_config.vocab_size, (1, 256)).tolist()
   for k in ((2,) if smoke else (2, 4, 8)):
-    decoder = pairing.make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
+    decoder = make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
     requests = make_requests(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
     state = jax.jit(decode.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
 
     def timed(step, state=state, decoder=decoder):
-      run = jax.jit(lambda s: lax.fori_loop(0, 8, lambda i, s: step(decoder, s), s).seq_lens)
+      run = jax.jit(lambda s: lax.fori_loop(0, 8, lambda i, s: step(decoder, s), s).seq_lens_B)
       return lambda: jax.block_until_ready(run(state))
     t = interleaved({"round": timed(decode.speculative_step), "step": timed(decode.autoregressive_step)},
                     1 if smoke else 3)

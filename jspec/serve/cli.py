@@ -69,12 +69,13 @@ def calibrate(target, models: dict, slots: int) -> bool:
   """Measures the cost model adaptive speculation reads (at batch 1 and the slots), unless one is kept for
   these models on these devices: as vLLM profiles memory at start-up. Meshes keep the figures they have.
   True when it measured."""
-  from jspec import calibration, costs, pairing
+  from jspec import calibration, costs
+  from jspec.decoder import drafter_kind
 
   spec, draft = models["spec"], models["draft"]
   if spec is None or spec.adaptive is None or spec.tree is not None or models["mesh"] is not None:
     return False
-  kind = spec.drafter or pairing.drafter_kind(draft)
+  kind = spec.drafter or drafter_kind(draft)
   if costs.stored(target, draft, kind) is not None:
     return False
   log.info("calibrating the %s drafter's cost model (once for these models on this device; --no-calibrate "

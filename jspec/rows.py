@@ -1,0 +1,70 @@
+"""Row surgery for continuous batching: decoding a running batch's first rows only (`run_rows`), and
+starting new requests in rows of a running state (`insert`).
+
+Every per-row buffer of a `DecodeState` holds its rows as contiguous blocks along one axis; `_row_blocks`
+finds that axis and block for each leaf by comparing the state's shapes for batches of one and two rows.
+"""
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from jspec.decode import DecodeState, init_state, run, start
+from jspec.decoder import Decoder
+from jspec.request import Requests, make_requests
+
+
+def run_rows(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
+             stop_at_finish: jax.Array | bool = False, retire_B: jax.Array | None = None, *,
+             width: int) -> DecodeState:
+  """`run` over the first `width` rows only (static: one program per width); the other rows must be done
+  (idle slots). Done rows still cost their share of every batched forward, so a running batch whose busy
+  rows fit a narrower width decodes faster in it. `retire_B` marks rows of any width to end first (aborted
+  requests, idle slots)."""
+  if retire_B is not None:
+    state = state.replace(done_B=state.done_B | retire_B)
+  blocks = _state_row_blocks(decoder, state)
+  leaves, treedef = jax.tree.flatten(state)
+  narrow = [x if b is None else lax.slice_in_dim(x, 0, width * b[1], axis=b[0]) for x, b in zip(leaves, blocks)]
+  narrow = jax.tree.leaves(run(decoder, jax.tree.unflatten(treedef, narrow), max_rounds, stop_at_finish))
+  return jax.tree.unflatten(treedef, [y if b is None else lax.dynamic_update_slice_in_dim(x, y, 0, b[0])
+                                      for x, y, b in zip(leaves, narrow, blocks)])
+
+
+def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, int] | None]:
+  """`_row_blocks` for a running state: requests of its shapes."""
+  capacity, stop_width = state.tokens_BxT.shape[1], state.stop_BxE.shape[1]
+  shape = None if state.constraint is None else state.constraint.bucket
+  requests = make_requests(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width,
+                                   constraint_shape=shape)
+  return _row_blocks(decoder, requests, capacity)
+
+
+def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.Array) -> DecodeState:
+  """Starts `requests` (R rows) in rows `[slot, slot + R)` of a running state, as `start` would have in a
+  state of their own: their tokens, caches, drafter state, sampling values, keys and per-row statistics
+  are replaced; the batch-wide statistics keep counting. Rows are contiguous blocks of every per-row
+  buffer, so a mesh's heads-major cache layout cannot take an insert."""
+  if state.target_cache.heads_major:
+    raise ValueError("insert needs batch-major caches (a mesh that splits kv heads lays them out by head)")
+  capacity = state.tokens_BxT.shape[1]
+  fresh = start(decoder, requests, capacity)
+  leaves, treedef = jax.tree.flatten(state)
+  new_leaves = [x if block is None else lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), slot * block[1],
+                                                                        block[0])
+                for x, y, block in zip(leaves, jax.tree.leaves(fresh), _row_blocks(decoder, requests, capacity))]
+  return jax.tree.unflatten(treedef, new_leaves)
+
+
+def _row_blocks(decoder: Decoder, requests: Requests, capacity: int) -> list[tuple[int, int] | None]:
+  """For each leaf of a `DecodeState`: (axis, rows of it per batch row), or None for a batch-wide leaf,
+  found by comparing the state's shapes for batches of one and two rows."""
+  def shapes(batch):
+    as_batch = lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype)
+    return jax.tree.leaves(jax.eval_shape(lambda r: init_state(decoder, r, capacity),
+                                          jax.tree.map(as_batch, requests)))
+  blocks = []
+  for one, two in zip(shapes(1), shapes(2)):
+    axes = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+    blocks.append((axes[0], two.shape[axes[0]] - one.shape[axes[0]]) if axes else None)
+  return blocks
