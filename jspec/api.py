@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from jspec import constraints, engine, memory, sharding
+from jspec import constraints, memory, programs, sharding
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
@@ -128,7 +128,7 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, len(prompt_ids), shard_draft)
     requests = sharding.place(requests, mesh)
-  executable, compile_seconds = engine.compiled_run(decoder, requests)
+  executable, compile_seconds = programs.compiled_run(decoder, requests)
   start = time.perf_counter()
   tokens, seq_lens, stats = jax.block_until_ready(executable(decoder, requests))
   wall = time.perf_counter() - start

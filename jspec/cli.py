@@ -451,8 +451,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     leader = init_distributed(args)
     if not args.no_compile_cache:
-      from jspec import engine
-      engine.use_compile_cache(args.compile_cache)
+      from jspec import programs
+      programs.use_compile_cache(args.compile_cache)
     out, printed = run(args)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -321,7 +321,7 @@ def step(decoder: Decoder, state: DecodeState) -> DecodeState:
 def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
         stop_at_finish: jax.Array | bool = False) -> DecodeState:
   """Decodes until every row is done, in one `lax.while_loop`. Pure: jit it yourself or use
-  `jspec.engine`.
+  `jspec.programs`.
 
   A segment: with `max_rounds` it also stops after that many rounds, and with `stop_at_finish` as soon as
   a row that was running finishes; both are runtime values, so one executable serves every segment, and

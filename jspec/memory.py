@@ -127,10 +127,10 @@ def compiled_workspace(decoder: Decoder, batch: int, prompt_width: int, capacity
   """The decode program's temporaries beyond its caches, from XLA's `memory_analysis()` of the program with
   one layer per model (compiled for the abstract shapes; nothing allocated). None where the backend does
   not say."""
-  from jspec import engine  # the compiled programs sit above the plan
+  from jspec import programs  # the compiled programs sit above the plan
   small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), _one_layer(decoder.replace(layout=None)))
   requests = abstract_requests(small, batch, prompt_width, capacity)
-  analysis = engine.lower(small, requests).compile().memory_analysis()
+  analysis = programs.lower(small, requests).compile().memory_analysis()
   if analysis is None or not getattr(analysis, "temp_size_in_bytes", 0):
     return None
   state = jax.eval_shape(decode.init_state, small, requests)

@@ -27,7 +27,7 @@ from collections.abc import Hashable, Iterator, Sequence
 import jax
 import numpy as np
 
-from jspec import automaton, constraints, engine, memory, request, sharding
+from jspec import automaton, constraints, memory, programs, request, sharding
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder
 from jspec.request import GREEDY
@@ -226,7 +226,7 @@ class Engine:
       while self.has_work:
         self.step()
     for width in self.widths:
-      self._executable("segment", engine.resume_rows, self._segment_args(), width=width)
+      self._executable("segment", programs.resume_rows, self._segment_args(), width=width)
 
   # --- deltas out (one thread) ---
 
@@ -248,7 +248,7 @@ class Engine:
     begin = time.perf_counter()
     compiled = self.compile_seconds
     busy = max(b for b, r in enumerate(self._running) if r is not None)
-    state = self._call("segment", engine.resume_rows, *self._segment_args(),
+    state = self._call("segment", programs.resume_rows, *self._segment_args(),
                        width=next(w for w in self.widths if w > busy))
     self._retire_B[:] = False
     tokens, seq_lens, done, stats = jax.device_get((state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats))
@@ -285,14 +285,14 @@ class Engine:
     self._fit_constraints()
     if self._state is None and self._waiting:  # idle rows, ended by the first segment
       idle = [Request([0], 1)] * self.slots
-      self._state = self._call("prefill", engine.start, self.decoder, self._requests(idle))
+      self._state = self._call("prefill", programs.start, self.decoder, self._requests(idle))
     for b in range(self.slots):
       if self._running[b] is not None or not self._waiting:
         continue
       with self._lock:
         request_id, req = self._waiting.popleft()
       self._fit_constraints(self._tables(req))
-      self._state = self._call("insert", engine.insert, self.decoder, self._state,
+      self._state = self._call("insert", programs.insert, self.decoder, self._state,
                                self._requests([req]), np.int32(b))
       stops = frozenset(() if req.ignore_eos else self.eos) | {int(t) for t in req.stop_ids}
       self._running[b] = _Running(request_id, req, _Text(self.tokenizer, req.stop), stops)
@@ -331,7 +331,7 @@ class Engine:
     key = (name, args[2].prompts_BxP.shape if name == "insert" else None, self._constraint_shape,
            tuple(static.items()))
     if key not in self._executables:
-      executable, seconds = engine.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
+      executable, seconds = programs.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
       self._executables[key] = executable
       self.compile_seconds += seconds
     return self._executables[key]

@@ -24,9 +24,9 @@ if "JSPEC_VOCAB_MAP_DIR" not in os.environ or "PYTEST_XDIST_WORKER" not in os.en
 
 import pytest  # noqa: E402
 
-from jspec import engine  # noqa: E402
+from jspec import programs  # noqa: E402
 
-engine.use_compile_cache(os.environ["JSPEC_COMPILE_CACHE"])
+programs.use_compile_cache(os.environ["JSPEC_COMPILE_CACHE"])
 
 
 # The slowest files (subprocesses on simulated meshes, the GPU check) start first, so that with several
@@ -43,7 +43,7 @@ def _release_executables():
   """Drops compiled programs after each test module. Every XLA:CPU executable keeps its own memory
   mappings alive, and a single process compiling a few hundred of them crashed inside the compiler."""
   yield
-  engine.release_executables()
+  programs.release_executables()
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ if args.coordinator:
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import engine, hf, model, sharding, testing  # noqa: E402
+from jspec import hf, model, programs, sharding, testing  # noqa: E402
 from jspec.decoder import make_decoder  # noqa: E402
 from jspec.request import make_requests  # noqa: E402
 
@@ -72,7 +72,7 @@ def collectives(mesh, mode):
   requests = make_requests(decoder, prompts, 12)
   decoder = sharding.place_decoder(mesh, decoder, 8, shard_draft=mode != "replicated")
   requests = sharding.place(requests, mesh)
-  compiled, seconds = engine.compiled_run(decoder, requests)
+  compiled, seconds = programs.compiled_run(decoder, requests)
   assert seconds == 0.0, f"{mode}: not the executable generate compiled"
   text = compiled.as_text()
   explicit = (all(s.is_fully_replicated for s in jax.tree.leaves(compiled.output_shardings))

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 import jspec
-from jspec import engine, executables, testing
+from jspec import executables, programs, testing
 
 NO_EOS = testing.NO_EOS
 
@@ -14,11 +14,11 @@ NO_EOS = testing.NO_EOS
 @pytest.fixture
 def cache_dir(tmp_path):
   before = jax.config.jax_compilation_cache_dir
-  engine.use_compile_cache(str(tmp_path))
-  engine.release_executables()
+  programs.use_compile_cache(str(tmp_path))
+  programs.release_executables()
   yield tmp_path
   jax.config.update("jax_compilation_cache_dir", before)
-  engine.release_executables()
+  programs.release_executables()
 
 
 def stored(cache_dir):
@@ -32,7 +32,7 @@ def test_a_new_process_loads_the_program_and_decodes_the_same(cache_dir, caplog)
   first = jspec.generate(target, ["def f(", "x"], **kw)
   files = stored(cache_dir)
   assert len(files) == 1 and files[0].name.startswith("decode-")
-  engine.release_executables()  # what a new process has
+  programs.release_executables()  # what a new process has
   with caplog.at_level(logging.INFO, logger="jspec"):
     again = jspec.generate(target, ["def g(", "y"], **dict(kw, seed=5))
     second = jspec.generate(target, ["def f(", "x"], **kw)
@@ -49,7 +49,7 @@ def test_a_damaged_file_is_compiled_again(cache_dir):
   first = jspec.generate(target, ["abc"], max_new_tokens=8)
   [file] = stored(cache_dir)
   file.write_bytes(file.read_bytes()[:100])
-  engine.release_executables()
+  programs.release_executables()
   assert executables.load(file) is None
   assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
   assert executables.load(file) is not None  # stored again

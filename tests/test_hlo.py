@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from jspec import cache as kvcache
-from jspec import drafters, engine, model, testing, tree
+from jspec import drafters, model, programs, testing, tree
 from jspec.decoder import Decoder
 from jspec.request import make_requests
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
@@ -41,7 +41,7 @@ def _decoder_and_requests(batch, kind, capacity=512):
 
 
 def _hlo(batch, kind, capacity=512):
-  return engine.lower(*_decoder_and_requests(batch, kind, capacity)).compile().as_text()
+  return programs.lower(*_decoder_and_requests(batch, kind, capacity)).compile().as_text()
 
 
 @pytest.mark.parametrize("batch,kind", [
@@ -65,7 +65,7 @@ def test_constraint_tables_are_not_copied_in_the_loop():
   tables = constraints.compile(jspec.Regex("[a-z]{1,40}"), vocabulary)
   requests = make_requests(decoder, [[0, 0, 0]] * 4, 8, capacity_slots=512, constraints=[tables] * 4,
                            constraint_shape=(128, 24))
-  text = engine.lower(decoder, requests).compile().as_text()
+  text = programs.lower(decoder, requests).compile().as_text()
   assert testing.loop_cache_copies(text, 4 * 128 * 24) == []
 
 
@@ -76,14 +76,14 @@ def test_segments_update_the_donated_state_in_place():
 
   capacity, batch = 512, 4
   decoder, requests = _decoder_and_requests(batch, "model", capacity)
-  state = engine.start(decoder, requests)
+  state = programs.start(decoder, requests)
   for width in (batch, 2):  # the whole batch, and the narrower program a few busy rows run
-    segment = engine.resume_rows.lower(decoder, state, jnp.int32(8), jnp.asarray(True), jnp.zeros(batch, bool),
+    segment = programs.resume_rows.lower(decoder, state, jnp.int32(8), jnp.asarray(True), jnp.zeros(batch, bool),
                                        width=width).compile().as_text()
     for config in (CONFIG, DRAFT):
       assert testing.loop_cache_copies(segment, width * config.n_kv_heads * capacity * config.head_dim) == []
   one = jax.tree.map(lambda x: x[:1], requests)
-  insert = engine.insert.lower(decoder, state, one, jnp.int32(2)).compile().as_text()
+  insert = programs.insert.lower(decoder, state, one, jnp.int32(2)).compile().as_text()
   assert "input_output_alias" in insert.splitlines()[0]
 
 

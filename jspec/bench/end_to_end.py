@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import adaptive, engine, shipped, testing
+from jspec import adaptive, programs, shipped, testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
 from jspec.bench.timing import interleaved
@@ -143,7 +143,7 @@ def suite_drafters(pair: Models, kinds: list[str], draft_lens: list[int], sets: 
                        "greedy_identical": last[v].token_ids == last["ar"].token_ids} for v in variants})
       print(json.dumps({"set": name, **{v: [round(r["speedup"], 3), round(r["priced_speedup"], 3), round(r["tau"], 2)]
                                         for v, r in rows[-1].items()}}), file=sys.stderr)
-      engine.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
+      programs.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
     out["sets"][name] = {v: {"median_speedup": statistics.median(r[v]["speedup"] for r in rows),
                              "min_speedup": min(r[v]["speedup"] for r in rows),
                              "max_speedup": max(r[v]["speedup"] for r in rows),

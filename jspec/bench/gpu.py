@@ -28,7 +28,7 @@ from jax import lax
 
 import jspec
 from jspec import cache as kvcache
-from jspec import decode, engine, model, shipped, testing
+from jspec import decode, model, programs, shipped, testing
 from jspec.bench.timing import interleaved
 from jspec.calibration import step_loop
 from jspec.config import ModelConfig, num_params
@@ -101,7 +101,7 @@ def target_section(config: ModelConfig, params, smoke: bool) -> dict:
   prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
   decoder = make_decoder(m, None, None, 1)
   requests = make_requests(decoder, prompt, new, ignore_eos=True)
-  executable, compile_s = engine.compiled_run(decoder, requests)
+  executable, compile_s = programs.compiled_run(decoder, requests)
   first = requests.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
   t = interleaved({"decode": lambda: jax.block_until_ready(executable(decoder, requests)),
                    "first": lambda: jax.block_until_ready(executable(decoder, first))}, 1 if smoke else 3)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import automaton, constraints, engine
+from jspec import automaton, constraints, programs
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import heldout_prompts
 from jspec.bench.timing import interleaved
@@ -82,7 +82,7 @@ def suite_structured(pair: Models, kinds: list[str], max_new: int, repeats: int,
                                                                      **spec(k)))
       last[f"free_{kind}"] = run(prompt + JSON_PROMPT, **spec(kind))  # acceptance without the constraint
     t = interleaved(fns, repeats)
-    engine.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
+    programs.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
     tps = lambda name: last[name].stats.emitted_tokens / t[name]
     json_text = last["plain_json"].texts[0]
     row = {"permissive_plain_tps_ratio": tps("plain_permissive") / tps("plain"),

@@ -9,7 +9,7 @@ import sys
 import jax.numpy as jnp
 
 import jspec
-from jspec import adaptive, checkpoint, engine
+from jspec import adaptive, checkpoint, programs
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import heldout_prompts
 from jspec.bench.timing import Progress, interleaved, peak_memory_mb, reset_peak_memory
@@ -103,7 +103,7 @@ def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int],
     row["round_cost_predicted"] = 1 + k * (c + v)
     out["cells"].append(row)
     save(out)
-    engine.release_executables()
+    programs.release_executables()
   progress.close()
   return out
 
@@ -133,7 +133,7 @@ def suite_tree(pair: Models, kinds: list[str], chain_lens: list[int], batches: l
         out["cells"].append(row)
         print(json.dumps({key: row[key] for key in ("drafter", "batch", "draft_len", "tree", "tau", "speedup",
                                                     "decode_speedup", "round_cost_in_ar_steps")}), file=sys.stderr)
-      engine.release_executables()
+      programs.release_executables()
     trees = [c for c in out["cells"] if c["drafter"] == kind and c["tree"] and c["batch"] == min(batches)]
     out.setdefault("fastest_tree", {})[kind] = max(trees, key=lambda c: c["speedup"])["tree"]
     if write:

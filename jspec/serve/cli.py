@@ -86,7 +86,7 @@ def calibrate(target, models: dict, slots: int) -> bool:
 
 def build(args: argparse.Namespace):
   """The engine loop, the app and the model name, compiled and ready to serve."""
-  from jspec import engine as programs
+  from jspec import programs
   from jspec.serve.app import create_app
   from jspec.serve.loop import EngineLoop
   from jspec.serve.metrics import Metrics

@@ -1,5 +1,5 @@
-"""Jitted entry points (prefill + loop in one executable; its pieces for segmented decoding), a compile cache
-keyed by shapes, and JAX's persistent compilation cache.
+"""The compiled programs: jitted entry points (prefill + loop in one executable; its pieces for segmented
+decoding), a compile cache keyed by shapes, and JAX's persistent compilation cache.
 
 Executables are compiled ahead of time once per (decoder program and layout, batch, prompt bucket,
 capacity), so requests that differ only in prompt text, seeds or sampling values reuse them, and compile
@@ -15,13 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jspec import decode, executables, request, sampling, sharding
+from jspec import decode, executables
 from jspec.decoder import Decoder
 from jspec.request import Requests
 from jspec.rows import insert, run_rows
-from jspec.settings import SamplingConfig
 from jspec.stats import DecodeStats
 
 log = logging.getLogger("jspec")
@@ -126,22 +125,3 @@ def release_executables() -> None:
   _compiled.clear()
   jax.clear_caches()
   gc.collect()
-
-
-# Aliases of one release for names that moved: the prompt bucket rule to `jspec.request`, sampling arrays
-# to `jspec.sampling`, mesh placement to `jspec.sharding`.
-prompt_bucket = request.prompt_bucket
-as_sampling = lambda temperature, top_k, top_p, batch: sampling.sampling_arrays(
-    SamplingConfig(temperature, top_k, top_p), batch)
-
-
-def place_decoder(mesh: Mesh, decoder: Decoder, batch: int,
-                  shard_draft: bool = True) -> tuple[Decoder, sharding.Layout]:
-  decoder = sharding.place_decoder(mesh, decoder, batch, shard_draft)
-  return decoder, decoder.layout
-
-
-def place_on_mesh(mesh: Mesh, decoder: Decoder, requests: Requests,
-                  shard_draft: bool = True) -> tuple[Decoder, Requests, sharding.Layout]:
-  decoder = sharding.place_decoder(mesh, decoder, requests.prompts_BxP.shape[0], shard_draft)
-  return decoder, sharding.place(requests, mesh), decoder.layout
