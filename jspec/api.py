@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from jspec import constraints, memory, programs, sharding
+from jspec import constraints, machine, memory, programs, sharding
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
@@ -187,7 +187,7 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
     shapes = make_decoder(target, draft, spec, 1, _mesh_shape(mesh))
     context = max_len or shapes.context_len
     fit = memory.make_plan(shapes, 1, context, context - 1, mesh=mesh, shard_draft=shard_draft,
-                           memory=memory.budget(mesh, memory_fraction), serving=True).max_batch
+                           memory=machine.budget(mesh, memory_fraction), serving=True).max_batch
     slots = max(min(fit, DEFAULT_SLOTS), 1)  # none fits: the engine says why
   if not (isinstance(slots, numbers.Integral) and slots >= 1):
     raise ValueError(f"slots must be an integer >= 1, got {slots}")

@@ -4,17 +4,14 @@ allocated or compiled.
 
 The weights and caches are counted from the abstract shapes (`jax.eval_shape`: nothing is allocated), each
 divided as `jspec.sharding` splits it over the mesh. The workspace is everything else the decode program
-holds at its peak (activations, logits, the token buffer, the statistics). `compiled_workspace` reads it
-from XLA's `memory_analysis()` of the decode program built with one layer per model (a layer's temporaries
-are reused by the next, so the figure does not grow with depth); `estimated_workspace` is the formula the
-refusal uses without compiling.
+holds at its peak (activations, logits, the token buffer, the statistics): `estimated_workspace` is the
+formula the refusal uses without compiling, and `jspec.shaped` reads it from XLA where a plan may compile.
+What the devices have comes from `jspec.machine`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import pathlib
 from typing import Any
 
 import jax
@@ -24,7 +21,8 @@ from jax.sharding import PartitionSpec
 
 from jspec import cache as kvcache
 from jspec import decode, request, sharding
-from jspec.decoder import Decoder, make_decoder
+from jspec.decoder import Decoder
+from jspec.machine import device_memory
 from jspec.request import Requests
 from jspec.sampling import sampling_arrays
 
@@ -87,20 +85,12 @@ class Usage:
             + self.workspace_bytes)
 
 
-def shaped_decoder(target, draft, spec, batch: int) -> Decoder:
-  """`make_decoder` over models whose parameters may be shapes only (`jspec.loading.load_shapes`):
-  a decoder of abstract arrays, nothing allocated."""
-  with_params = lambda m, p: None if m is None else dataclasses.replace(m, params=p)
-  return jax.eval_shape(lambda tp, dp: make_decoder(with_params(target, tp), with_params(draft, dp), spec, batch),
-                        target.params, None if draft is None else draft.params)
-
-
 def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill_rows: int | None = None) -> int:
   """The activations' peak, without compiling: per row, ten fp32 vocabulary rows for each token a round
   verifies (logits, probabilities, the draft's q, their residuals), and per row prefilled together (default
   all), per prompt token, eight fp32 model-width rows (the prefill's residual stream and the features head
   drafters keep) and two fp32 rows of attention scores over a cache block per head. It bounds what
-  `compiled_workspace` measures (tests/test_memory.py)."""
+  `jspec.shaped.compiled_workspace` measures (tests/test_memory.py)."""
   config = decoder.target_config
   verified = decoder.headroom + 1
   prefill_rows = batch if prefill_rows is None else prefill_rows
@@ -108,40 +98,11 @@ def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill
   return 4 * (batch * 10 * verified * config.vocab_size + prefill_rows * prompt_width * per_prompt_token)
 
 
-def _one_layer(decoder: Decoder) -> Decoder:
-  """The same program with one layer in the target and in a draft model: the same activations."""
-  def cut(params, config):
-    if config is None or config.n_layers == 1 or "layers" not in (params or {}):
-      return params, config
-    return {**params, "layers": params["layers"][:1]}, dataclasses.replace(config, n_layers=1, sliding_windows=())
-  target_params, target_config = cut(decoder.target_params, decoder.target_config)
-  decoder = decoder.replace(target_params=target_params, target_config=target_config)
-  drafter = decoder.drafter
-  if drafter is not None and getattr(drafter, "config", None) is not None:
-    params, config = cut(decoder.drafter_params, drafter.config)
-    decoder = decoder.replace(drafter_params=params, drafter=dataclasses.replace(drafter, config=config))
-  return decoder
-
-
-def compiled_workspace(decoder: Decoder, batch: int, prompt_width: int, capacity: int) -> int | None:
-  """The decode program's temporaries beyond its caches, from XLA's `memory_analysis()` of the program with
-  one layer per model (compiled for the abstract shapes; nothing allocated). None where the backend does
-  not say."""
-  from jspec import programs  # the compiled programs sit above the plan
-  small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), _one_layer(decoder.replace(layout=None)))
-  requests = abstract_requests(small, batch, prompt_width, capacity)
-  analysis = programs.lower(small, requests).compile().memory_analysis()
-  if analysis is None or not getattr(analysis, "temp_size_in_bytes", 0):
-    return None
-  state = jax.eval_shape(decode.init_state, small, requests)
-  return max(int(analysis.temp_size_in_bytes) - nbytes((state.target_cache, state.drafter_state)), 0)
-
-
 def usage(decoder: Decoder, batch: int, prompt_width: int, capacity: int, mesh=None, shard_draft: bool = True,
           workspace_per_row: float | None = None, prefill_rows: int | None = None) -> Usage:
   """What one device holds for `batch` rows of `capacity` cache slots, prompts padded to `prompt_width`
   (`prefill_rows` of them prefilled together; default all). `workspace_per_row`: a measured workspace
-  (`compiled_workspace` / rows), else `estimated_workspace`."""
+  (`jspec.shaped.compiled_workspace` / rows), else `estimated_workspace`."""
   shape = mesh_shape(mesh)
   plan_mesh = planned_mesh(shape)
   target_config, drafter = decoder.target_config, decoder.drafter
@@ -219,53 +180,6 @@ def gb(n: int) -> str:
   return f"{n / GB:.3g} GB" if n >= GB else f"{n / 1e6:.3g} MB"
 
 
-def _resident_bytes() -> int:
-  try:
-    return int(pathlib.Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-  except (OSError, ValueError, IndexError):
-    return 0
-
-
-def _cgroup_free() -> int | None:
-  try:
-    limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
-    used = int(pathlib.Path("/sys/fs/cgroup/memory.current").read_text())
-  except (OSError, ValueError):
-    return None
-  return None if limit == "max" else int(limit) - used
-
-
-def host_available() -> int:
-  """Memory this process may use: what it holds, and what the host (or its cgroup) has free."""
-  try:
-    meminfo = dict(line.split(":", 1) for line in pathlib.Path("/proc/meminfo").read_text().splitlines())
-    free = int(meminfo["MemAvailable"].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  cgroup = _cgroup_free()
-  return _resident_bytes() + min(free, cgroup if cgroup is not None else free)
-
-
-def device_memory(mesh=None) -> tuple[int, str]:
-  """Bytes one device of `mesh` (default: the first device) may hold, and what that figure is. CPU
-  devices share the host's memory."""
-  devices = list(np.asarray(mesh.devices).flat) if mesh is not None else jax.devices()[:1]
-  device = devices[0]
-  if device.platform != "cpu":
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-    if limit:
-      return int(limit), f"{device.device_kind} memory"
-  return host_available() // len(devices), "memory available to this process"
-
-
-def budget(mesh=None, fraction: float = 1.0) -> tuple[int, str]:
-  """`fraction` of what one device may hold (`device_memory`), as a server reserves it."""
-  if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
-    raise ValueError(f"the memory fraction must be in (0, 1], got {fraction}")
-  available, source = device_memory(mesh)
-  return int(available * fraction), source if fraction == 1 else f"{fraction:g} of the {source}"
-
-
 def shape(decoder: Decoder, context: int, prompt_len: int, serving: bool = False) -> tuple[int, int]:
   """(padded prompt width, cache slots per row) for rows of `context` tokens, `prompt_len` of them prompt.
 
@@ -280,19 +194,15 @@ def shape(decoder: Decoder, context: int, prompt_len: int, serving: bool = False
 
 
 def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, mesh=None, shard_draft: bool = True,
-              memory: tuple[int, str] | None = None, workspace: str = "estimate", serving: bool = False) -> Plan:
+              memory: tuple[int, str] | None = None, workspace_per_row: float | None = None,
+              serving: bool = False) -> Plan:
   """The plan for `batch` rows holding `context` tokens each, of which `prompt_len` are prompt, against
   `memory` per device (default `device_memory(mesh)`). A batch prefills its rows together; a serving
-  engine (`serving`) one request at a time, with caches shaped as `shape` says. `workspace="compiled"`
-  measures the workspace (`compiled_workspace`: a compile of a few seconds) where the backend reports it."""
+  engine (`serving`) one request at a time, with caches shaped as `shape` says. `workspace_per_row`: the
+  workspace XLA reports (`jspec.shaped.compiled_workspace_per_row`), else the estimate."""
   prefill_rows = 1 if serving else None
   width, capacity = shape(decoder, context, prompt_len, serving)
-  per_row, source = None, "estimate"
-  if workspace == "compiled":
-    rows = max(batch // mesh_shape(mesh)["data"], 1)
-    measured = compiled_workspace(decoder, rows, width, capacity)
-    if measured is not None:
-      per_row, source = measured / rows, "compiled"
+  per_row, source = workspace_per_row, "estimate" if workspace_per_row is None else "compiled"
   memory = memory or device_memory(mesh)
 
   def need(rows: int, ctx: int) -> Usage:

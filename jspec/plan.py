@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def plan(args: argparse.Namespace):
-  from jspec import loading, memory, sharding
+  from jspec import loading, machine, memory, shaped, sharding
   from jspec.decoder import drafter_kind
   from jspec.settings import SpecConfig
 
@@ -91,7 +91,7 @@ def plan(args: argparse.Namespace):
   spec = None if drafter is None and draft is None else SpecConfig(args.draft_len, drafter=drafter)
   sizes = sharding.mesh_sizes(args.mesh or "")
   mesh = memory.planned_mesh(sizes) if args.mesh else None
-  decoder = memory.shaped_decoder(target, draft, spec, args.batch_size)
+  decoder = shaped.shaped_decoder(target, draft, spec, args.batch_size)
   context = args.context or decoder.context_len
   if context > decoder.context_len:
     raise ValueError(f"--context {context} exceeds the model's context of {decoder.context_len} tokens")
@@ -103,10 +103,11 @@ def plan(args: argparse.Namespace):
   else:
     if mesh is not None and sizes["data"] * sizes["model"] > 1:
       raise ValueError("--mesh without --device-memory: say each device's memory")
-    available = memory.budget(None, args.memory_fraction)
+    available = machine.budget(None, args.memory_fraction)
+  measured = None if args.estimate or here is None else shaped.compiled_workspace_per_row(
+      decoder, args.batch_size, context, prompt_len, mesh, args.serving)
   return memory.make_plan(decoder, args.batch_size, context, prompt_len, mesh=mesh,
-                          shard_draft=not args.replicate_draft, memory=available,
-                          workspace="estimate" if args.estimate or here is None else "compiled",
+                          shard_draft=not args.replicate_draft, memory=available, workspace_per_row=measured,
                           serving=args.serving), drafter
 
 

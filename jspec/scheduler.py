@@ -27,7 +27,7 @@ from collections.abc import Hashable, Iterator, Sequence
 import jax
 import numpy as np
 
-from jspec import automaton, constraints, memory, programs, request, sharding
+from jspec import automaton, constraints, machine, memory, programs, request, sharding
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder
 from jspec.request import GREEDY
@@ -134,7 +134,7 @@ class Engine:
     self.capacity = memory.shape(decoder, max_len, max_len - 1, serving=True)[1]
     memory.check(decoder, slots, max_len, max_len - 1, layout and layout.mesh,
                  not (layout and layout.draft_replicated), serving=True,
-                 memory=memory.budget(layout and layout.mesh, memory_fraction))
+                 memory=machine.budget(layout and layout.mesh, memory_fraction))
     eos = tuple(decoder.target_config.stop_ids)
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
     self.compile_seconds = 0.0  # compiling (or loading) programs

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jspec
-from jspec import loading, memory, model, shipped, testing, tokenizer, vocab_map
+from jspec import loading, memory, model, shaped, shipped, testing, tokenizer, vocab_map
 from jspec.decoder import make_decoder
 from jspec.drafters.draft_model import CrossVocabDrafter, ModelDrafter
 from jspec.model import Model
@@ -160,7 +160,7 @@ def test_the_memory_plan_counts_the_longer_draft_cache(code_target, tmp_path):
   target = loading.load_shapes(tmp_path / "target")
   plans = {}
   for name in ("cross", "same"):
-    decoder = memory.shaped_decoder(target, loading.load_shapes(tmp_path / name), testing.fixed_k(3), 1)
+    decoder = shaped.shaped_decoder(target, loading.load_shapes(tmp_path / name), testing.fixed_k(3), 1)
     plans[name] = memory.make_plan(decoder, 1, 512, 256)
   assert isinstance(decoder.drafter, ModelDrafter) and not isinstance(decoder.drafter, CrossVocabDrafter)
   spelling = make_decoder(code_target, jspec.load(tmp_path / "cross"), testing.fixed_k(3), 1).drafter.spelling_len

@@ -10,7 +10,7 @@ import pytest
 
 import jspec
 from jspec import cache as kvcache
-from jspec import decode, loading, memory, plan, request, testing
+from jspec import decode, loading, machine, memory, plan, request, shaped, testing
 from jspec.config import ModelConfig, num_params
 from jspec.settings import SpecConfig
 
@@ -55,7 +55,7 @@ def test_the_plan_is_the_parameter_and_cache_arithmetic(family, dtype, tmp_path)
     (tmp_path / "d.json").write_text(json.dumps(_hf_config(family, rng, 300)))
     target, draft = loading.load_shapes(tmp_path / "t.json", dtype), loading.load_shapes(tmp_path / "d.json", dtype)
     batch, capacity = int(rng.integers(1, 9)), 128 * int(rng.integers(1, 5))
-    decoder = memory.shaped_decoder(target, draft, SpecConfig(drafter="model"), batch)
+    decoder = shaped.shaped_decoder(target, draft, SpecConfig(drafter="model"), batch)
     u = memory.usage(decoder, batch, 16, capacity)
     t, d = target.config, draft.config
     head = t.vocab_size * t.dim if t.tie_embeddings else 0
@@ -80,7 +80,7 @@ def test_the_plan_counts_what_decoding_allocates():
 def test_a_mesh_divides_what_it_shards():
   """model=2 splits heads, MLP and vocabulary (and the kv-head rows of the cache); data=2 the batch rows."""
   target = loading.load_shapes(jspec.shipped.SMALL.target)
-  decoder = memory.shaped_decoder(target, None, None, 4)
+  decoder = shaped.shaped_decoder(target, None, None, 4)
   one = memory.usage(decoder, 4, 16, 512)
   model2 = memory.usage(decoder, 4, 16, 512, memory.planned_mesh({"model": 2}))
   data2 = memory.usage(decoder, 4, 16, 512, memory.planned_mesh({"data": 2}))
@@ -94,7 +94,7 @@ def test_a_mesh_divides_what_it_shards():
 
 def test_the_largest_batch_and_context_are_the_edge_of_what_fits():
   target = loading.load_shapes(jspec.shipped.SMALL.target)
-  decoder = memory.shaped_decoder(target, None, None, 1)
+  decoder = shaped.shaped_decoder(target, None, None, 1)
   budget = (300 * 10 ** 6, "given")
   need = lambda rows, ctx, prompt: memory.usage(decoder, rows, *memory.shape(decoder, ctx, prompt)).total_bytes
   p = memory.make_plan(decoder, 8, 2048, 1024, memory=budget)
@@ -113,7 +113,7 @@ def test_the_estimated_workspace_bounds_the_compiled_one():
     draft = testing.random_draft(kind, target)
     decoder = jspec.pairing.make_decoder(target, draft, SpecConfig(drafter=kind, adaptive=None), 2)
     for width, capacity in [(16, 256), (768, 1024)]:
-      measured = memory.compiled_workspace(decoder, 2, width, capacity)
+      measured = shaped.compiled_workspace(decoder, 2, width, capacity)
       assert measured is not None and 0 < measured <= memory.estimated_workspace(decoder, 2, width)
 
 
@@ -130,7 +130,7 @@ def _refused(call) -> str:
 def test_what_cannot_fit_is_refused_before_anything_is_allocated():
   """Hundreds of rows of 200k tokens: one line with the need, what there is, and what would fit."""
   m = testing.random_model(LONG)
-  budget = memory.device_memory()[0]
+  budget = machine.device_memory()[0]
   message = _refused(lambda: jspec.generate(m, [[1, 2, 3]] * 300, max_new_tokens=200_000))
   assert "300 rows of" in message and "is available" in message and "rows fit at this context" in message
   assert "\n" not in message
