@@ -10,7 +10,7 @@ import dataclasses
 import json
 import sys
 
-from jspec import cli, shipped
+from jspec import flags, shipped
 
 EXAMPLES = """examples:
   python -m jspec.calibrate                                  # the shipped pair's EAGLE head, batch 1
@@ -21,10 +21,10 @@ EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jspec.calibrate", formatter_class=cli._Formatter, epilog=EXAMPLES,
+  p = argparse.ArgumentParser(prog="python -m jspec.calibrate", formatter_class=flags.Formatter, epilog=EXAMPLES,
                               description="Measure what a draft step, a verified token and a round cost here, "
                                           "for adaptive speculation.")
-  cli.add_model_args(p)
+  flags.add_model_args(p)
   p.add_argument("--batches", default="1", metavar="B,B",
                  help="batch sizes to measure at (batch 1 always)")
   p.add_argument("--draft-len", type=int, default=4, metavar="K", help="the draft length rounds are timed at")
@@ -59,9 +59,9 @@ def calibrate(args: argparse.Namespace) -> tuple[dict, str]:
   if args.no_draft:
     raise ValueError("--no-draft: plain decoding has no cost model to calibrate")
   target = jspec.load(shipped.resolve(args.target), dtype=args.dtype)
-  draft, kind = cli.load_draft(args, lambda path: jspec.load(path, dtype=args.dtype))
+  draft, kind = flags.load_draft(args, lambda path: jspec.load(path, dtype=args.dtype))
   kind = kind or drafter_kind(draft)
-  cli.log.info("measuring the %s drafter's costs at batch %s", kind, ", ".join(map(str, sizes)))
+  flags.log.info("measuring the %s drafter's costs at batch %s", kind, ", ".join(map(str, sizes)))
   cost = calibration.measure(target, draft, kind, sizes, args.repeats, args.draft_len)
   where = str(costs.store(target, draft, kind, cost))
   if args.write:
@@ -84,14 +84,11 @@ def pathlib_of(args: argparse.Namespace, draft, kind: str):
   return shipped.pair_of(args.target).drafts[kind]
 
 
+@flags.command
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
-  cli.show_status(not args.json)
-  try:
-    figures, where = calibrate(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  flags.show_status(not args.json)
+  figures, where = calibrate(args)
   if args.json:
     print(json.dumps({**figures, "stored": where}))
   else:

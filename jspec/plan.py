@@ -10,8 +10,7 @@ import json
 import re
 import sys
 
-from jspec import cli, shipped
-from jspec.settings import DTYPES
+from jspec import flags
 
 EXAMPLES = """examples:
   python -m jspec.plan --batch-size 8 --context 2048
@@ -36,22 +35,12 @@ def parse_bytes(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jspec.plan", formatter_class=cli._Formatter, epilog=EXAMPLES,
+  p = argparse.ArgumentParser(prog="python -m jspec.plan", formatter_class=flags.Formatter, epilog=EXAMPLES,
                               description="The memory a speculative deployment needs per device: target and "
                                           "draft weights, both KV caches and the workspace.")
-  g = p.add_argument_group("models")
-  g.add_argument("--target", default=shipped.DEFAULT.name, metavar="PATH",
-                 help="a model directory, its config.json (jspec's or Hugging Face's), or a shipped pair's name")
-  g.add_argument("--draft", default=None, metavar="PATH",
-                 help="a draft model or heads directory, or its config.json / drafter.json (default: the shipped "
-                      "weights of --drafter when the target is a shipped one)")
-  g.add_argument("--drafter", choices=cli.DRAFTERS, default=None,
-                 help=f"the drafter kind (default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")
-  g.add_argument("--no-draft", action="store_true", help="plain decoding")
-  g.add_argument("--draft-len", type=int, default=4, metavar="K", help="the longest draft a round verifies")
-  g.add_argument("--dtype", choices=DTYPES, default=None,
-                 help="parameters and caches (default: float32 on the CPU, bfloat16 on accelerators)")
+  flags.add_model_args(p, config_files=True)
   g = p.add_argument_group("deployment")
+  g.add_argument("--draft-len", type=int, default=4, metavar="K", help="the longest draft a round verifies")
   g.add_argument("--batch-size", type=int, default=1, metavar="B", help="rows decoded together")
   g.add_argument("--context", type=int, default=None, metavar="N",
                  help="tokens a row holds, prompt and output (default: the model's context)")
@@ -86,7 +75,7 @@ def plan(args: argparse.Namespace):
   target = load(args.target)
   if not isinstance(target, loading.Model):
     raise ValueError(f"--target {args.target}: heads, not a model")
-  draft, drafter = cli.load_draft(args, load)
+  draft, drafter = flags.load_draft(args, load)
   drafter = drafter or (draft and drafter_kind(draft))
   spec = None if drafter is None and draft is None else SpecConfig(args.draft_len, drafter=drafter)
   sizes = sharding.mesh_sizes(args.mesh or "")
@@ -128,14 +117,11 @@ def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
   return "\n".join(lines)
 
 
+@flags.command
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
-  cli.show_status(not args.json)
-  try:
-    result, drafter = plan(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  flags.show_status(not args.json)
+  result, drafter = plan(args)
   print(json.dumps(result.to_json()) if args.json else describe(result, args, drafter))
   return 0
 

@@ -3,7 +3,7 @@
 import json
 import math
 
-from jspec.bench.__main__ import main
+from jspec.bench.cli import main
 
 
 def test_gpu_check_smoke_run_writes_every_section(tmp_path):

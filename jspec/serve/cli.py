@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 
 import jspec
-from jspec import cli
+from jspec import flags
 from jspec.scheduler import SEGMENT_ROUNDS
 
 EXAMPLES = """examples:
@@ -24,11 +23,11 @@ log = logging.getLogger("jspec")
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jspec.serve", formatter_class=cli._Formatter, epilog=EXAMPLES,
+  p = argparse.ArgumentParser(prog="python -m jspec.serve", formatter_class=flags.Formatter, epilog=EXAMPLES,
                               description="An OpenAI-compatible server that decodes speculatively when it "
                                           "pays and plainly under load.")
   p.add_argument("--version", action="version", version=f"jspec {jspec.__version__}")
-  cli.add_model_args(p)
+  flags.add_model_args(p)
   g = p.add_argument_group("server")
   g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
   g.add_argument("--port", type=int, default=8000)
@@ -47,8 +46,8 @@ def parser() -> argparse.ArgumentParser:
                  help="requests that may wait for a slot; past it, requests get 503 and Retry-After")
   g.add_argument("--segment-rounds", type=int, default=SEGMENT_ROUNDS, metavar="R",
                  help="rounds per engine step: new requests, aborts and streamed text between steps")
-  cli.add_speculation_args(p)
-  cli.add_runtime_args(p)
+  flags.add_speculation_args(p)
+  flags.add_runtime_args(p)
   return p
 
 
@@ -93,8 +92,8 @@ def build(args: argparse.Namespace):
 
   if not args.no_compile_cache:
     programs.use_compile_cache(args.compile_cache)
-  spec = cli.speculation(args)
-  target, models = cli.load_models(args, spec)
+  spec = flags.speculation(args)
+  target, models = flags.load_models(args, spec)
   make = lambda: jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
                                    segment_rounds=args.segment_rounds, memory_fraction=args.memory_fraction,
                                    **models)
@@ -108,16 +107,13 @@ def build(args: argparse.Namespace):
   return loop, create_app(loop, target, name), name
 
 
+@flags.command
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
-  cli.show_status(True)
-  try:
-    check(args)
-    import uvicorn  # here: --help answers without the server's imports
-    loop, app, name = build(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  flags.show_status(True)
+  check(args)
+  import uvicorn  # here: --help answers without the server's imports
+  loop, app, name = build(args)
   log.info("serving %s at http://%s:%d/v1", name, args.host, args.port)
   # uvicorn shuts down gracefully on SIGTERM and Ctrl-C, then raises the signal again for the handler it
   # found: these, so that a requested stop exits 0.

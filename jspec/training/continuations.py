@@ -19,7 +19,7 @@ import shutil
 import numpy as np
 from tqdm import tqdm
 
-from jspec import api, loading
+from jspec import api, flags, loading
 from jspec.training import data
 
 
@@ -61,7 +61,8 @@ def continue_windows(target, windows: list[list[int]], new_tokens: int, temperat
   return np.asarray(out, np.uint16 if target.config.vocab_size <= 65536 else np.int32)
 
 
-def main(argv=None) -> int:
+@flags.command
+def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jspec.continuations")
   ap.add_argument("--target", required=True, help="the model whose continuations to write")
   ap.add_argument("--data", default="data/code", help="token shards (`python -m jspec.data`) to draw prompts from")

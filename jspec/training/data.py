@@ -11,6 +11,8 @@ import sysconfig
 
 import numpy as np
 
+from jspec import flags
+
 
 def stdlib_root() -> pathlib.Path:
   return pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -45,7 +47,8 @@ def shard_path(directory: pathlib.Path, split: str) -> pathlib.Path:
   return pathlib.Path(directory) / f"{split}.npy"
 
 
-def main(argv=None) -> int:
+@flags.command
+def main(argv: list[str] | None = None) -> int:
   """`python -m jspec.data --out data/code`: train the BPE tokenizer on the train split, write token shards."""
   import argparse
 

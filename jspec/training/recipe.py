@@ -18,10 +18,11 @@ import argparse
 import hashlib
 import json
 import pathlib
-import sys
 
 import numpy as np
 from tqdm import tqdm
+
+from jspec import flags
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl")  # the files taken from a directory
 HELDOUT_PERCENT = 2
@@ -294,11 +295,7 @@ def run(args: argparse.Namespace) -> dict:
   return log
 
 
+@flags.command
 def main(argv: list[str] | None = None) -> int:
-  args = parser().parse_args(argv)
-  try:
-    run(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  run(parser().parse_args(argv))
   return 0

@@ -25,7 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from jspec import checkpoint, drafters, model, registry
+from jspec import checkpoint, drafters, flags, model, registry
 from jspec.config import ModelConfig
 from jspec.drafters import losses
 from jspec.loading import load
@@ -189,7 +189,8 @@ def fit(task: Task, shards: dict[str, np.ndarray], tcfg: dict, workdir: pathlib.
   return log
 
 
-def main(argv=None) -> int:
+@flags.command
+def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jspec.train",
                                epilog="`python -m jspec.train drafter --help`: train a drafter for any target")
   ap.add_argument("--config", required=True)
@@ -207,10 +208,7 @@ def main(argv=None) -> int:
   tcfg = dict(cfg["train"], **({"steps": args.steps} if args.steps else {}))
   data_dir = pathlib.Path(cfg["data"])
   tok = load_tokenizer(data_dir)
-  try:
-    task = task_of(cfg, tok)
-  except ValueError as e:
-    raise SystemExit(str(e)) from None
+  task = task_of(cfg, tok)
   fit(task, load_shards(data_dir), tcfg, pathlib.Path(args.workdir or cfg["workdir"]), pathlib.Path(cfg["out"]),
       init_from=args.init_from, start_step=args.start_step, save_latest=args.save_latest)
   return 0
