@@ -13,7 +13,7 @@ import flax.struct
 
 from jspec import costs, model, registry
 from jspec.config import ModelConfig
-from jspec.drafters import Drafter, Heads
+from jspec.drafters import Drafter, Heads, ModelDrafter
 from jspec.drafters.base import DraftWeights
 from jspec.model import Model
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
@@ -70,7 +70,7 @@ class Decoder:
 
 def drafter_kind(draft: Model | Heads) -> str:
   """The kind of drafter these weights are: a `Model` drafts as a draft model, `Heads` as their drafter."""
-  return draft.drafter.kind if isinstance(draft, Heads) else "model"
+  return draft.drafter.kind if isinstance(draft, Heads) else ModelDrafter.kind
 
 
 def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | None, batch: int,

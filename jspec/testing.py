@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, models
 
-from jspec import drafters, model, sampling
+from jspec import drafters, model, registry, sampling
 from jspec.api import generate
 from jspec.config import ModelConfig
 from jspec.model import Model
@@ -23,7 +23,7 @@ TINY = ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, 
 TINY_DRAFT = dataclasses.replace(TINY, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, mlp_dim=64)
 NO_EOS = dataclasses.replace(TINY, eos_id=None)  # every row decodes all its new tokens
 SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=16, eos_id=None)  # drafts are often right by chance
-KINDS = ("model", "medusa", "eagle", "ngram")
+KINDS = registry.kinds()
 
 
 def fixed_k(draft_len: int = 4, **kw) -> SpecConfig:
@@ -70,15 +70,14 @@ def random_pair(config: ModelConfig = NO_EOS, noise: float = 0.5) -> tuple[Model
 
 def random_draft(kind: str, target: Model, seed: int = 1, heads: int = 5, scale: float = 0.5,
                  noise: float = 0.5) -> Model | drafters.Heads | None:
-  """A random drafter of `kind` for `target`: a perturbed copy (model), random heads (medusa, eagle), or
-  None (ngram)."""
-  if kind == "model":
+  """A random drafter of `kind` for `target`: a perturbed copy (a draft model), random heads (`heads` of
+  them where the kind has several), or None (a drafter without weights)."""
+  cls = registry.drafter_class(kind)
+  if cls.is_draft_model:
     return perturbed(target, noise, seed=seed)
-  if kind == "medusa":
-    return random_heads(drafters.MedusaDrafter(target.config, heads), seed, scale)
-  if kind == "eagle":
-    return random_heads(drafters.EagleDrafter.for_target(target.config), seed, scale)
-  return None
+  if not cls.needs_weights:
+    return None
+  return random_heads(cls.for_training(target.config, {"num_heads": heads}), seed, scale)
 
 
 def random_eagle3(target: Model, seed: int = 1, scale: float = 0.5) -> drafters.Heads:

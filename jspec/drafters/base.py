@@ -86,6 +86,8 @@ class Drafter:
   # final-normed hidden state.
   feature_layers: tuple[int, ...] = ()
   lags_plain_steps: ClassVar[bool] = False  # a plain target step leaves its state behind the text (see max_lag)
+  is_draft_model: ClassVar[bool] = False  # its weights are a whole `Model` (a draft model), not heads on the target
+  learning_rate: ClassVar[float | None] = None  # peak rate `python -m jspec.train drafter` uses (None: not offered)
   config: ModelConfig | None  # the shape its weights and cache follow; None: no weights
 
   # -- pairing with a target ------------------------------------------------------------------------------
@@ -135,6 +137,11 @@ class Drafter:
     raise NotImplementedError(f"the {self.kind} drafter has no weights of its own")
 
   # -- training ---------------------------------------------------------------------------------------------
+  @classmethod
+  def training_options(cls, flags: Any) -> dict:
+    """Its `for_training` options (a training config's `heads`) from `python -m jspec.train drafter`'s flags."""
+    return {}
+
   @classmethod
   def for_training(cls, target_config: ModelConfig, options: dict) -> Drafter:
     """A drafter to train for a target of `target_config` (`options`: the training config's `heads`)."""

@@ -59,6 +59,8 @@ class ModelDrafter(Drafter):
   lag: int = 1  # most tokens the cache may trail the text by at the start of a round
   vocab_size: int | None = None  # the target's; None: the draft's own
   kind = "model"
+  is_draft_model = True
+  learning_rate = 1.5e-3
   supports_tree = True
   lags_plain_steps = True
 

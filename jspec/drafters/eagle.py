@@ -23,6 +23,7 @@ features the same way (one C-wide forward, no proposals) before keeping the step
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -91,6 +92,7 @@ class EagleDrafter(Drafter):
   config: ModelConfig  # the target's shape with one layer (its own mlp_dim allowed)
   feature_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers fused; empty: EAGLE-1
   kind = "eagle"
+  learning_rate = 2e-3
   supports_tree = True
 
   @classmethod
@@ -111,6 +113,19 @@ class EagleDrafter(Drafter):
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> EagleDrafter:
     return cls(config, tuple(int(i) for i in metadata.get("feature_layers", ())))
+
+  @classmethod
+  def training_options(cls, flags: Any) -> dict:
+    """`--feature-layers`: eagle3 (the default layers, trained on its own predictions for `--ttt-steps`),
+    last (EAGLE-1, with its feature regression), or the layers to fuse."""
+    if flags.feature_layers == "last":
+      return {"feature_weight": 1.0, "feature_noise": 0.2}
+    try:
+      layers = "eagle3" if flags.feature_layers == "eagle3" else [int(i) for i in flags.feature_layers.split(",")]
+    except ValueError:
+      raise ValueError(f"--feature-layers: expected eagle3, last or layers such as 1,4,6, got "
+                       f"{flags.feature_layers!r}") from None
+    return {"feature_layers": layers, "ttt_steps": flags.ttt_steps}
 
   @classmethod
   def for_training(cls, target_config: ModelConfig, options: dict) -> EagleDrafter:

@@ -10,6 +10,7 @@ Weights: `w [heads, D, D]`, `b [heads, D]`, zero-initialized so an untrained hea
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ class MedusaDrafter(Drafter):
   config: ModelConfig  # the target's: the heads work at its width and share its LM head
   num_heads: int
   kind = "medusa"
+  learning_rate = 1e-3
   supports_tree = True
 
   @classmethod
@@ -60,6 +62,10 @@ class MedusaDrafter(Drafter):
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> MedusaDrafter:
     return cls(config, int(metadata["num_heads"]))
+
+  @classmethod
+  def training_options(cls, flags: Any) -> dict:
+    return {"num_heads": flags.num_heads}
 
   @classmethod
   def for_training(cls, target_config: ModelConfig, options: dict) -> MedusaDrafter:

@@ -22,23 +22,29 @@ import pathlib
 import numpy as np
 from tqdm import tqdm
 
-from jspec import flags
+from jspec import flags, registry
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl")  # the files taken from a directory
 HELDOUT_PERCENT = 2
 PART = 256  # windows continued per saved part
-KINDS = ("eagle", "medusa", "model")
-DEFAULT_LR = {"eagle": 2e-3, "medusa": 1e-3, "model": 1.5e-3}
+
+
+def trainable() -> dict[str, type]:
+  """The drafter kinds this command trains (those with a `learning_rate`), by name."""
+  classes = {kind: registry.drafter_class(kind) for kind in registry.kinds()}
+  return {kind: cls for kind, cls in classes.items() if cls.learning_rate is not None}
 
 
 def parser() -> argparse.ArgumentParser:
+  kinds = trainable()
   p = argparse.ArgumentParser(
       prog="python -m jspec.train drafter", fromfile_prefix_chars="@",
       description="Train a drafter for a target: tokenize the data with the target's tokenizer, have the target "
                   "continue it, train on both, and write a drafter directory that `--draft` loads.",
       epilog="example: python -m jspec.train drafter --kind medusa --target code --data notes/ code.jsonl "
              "--out my-medusa")
-  p.add_argument("--kind", choices=KINDS, required=True, help="EAGLE head, Medusa heads, or a small draft model")
+  p.add_argument("--kind", choices=sorted(kinds), required=True,
+                 help="EAGLE head, Medusa heads, or a small draft model")
   p.add_argument("--target", required=True, help="the target: a shipped pair's name, a jspec or Hugging Face dir")
   p.add_argument("--data", nargs="+", required=True, metavar="PATH",
                  help=f"text files, JSONL files (a `text` or `prompt` field per line), or directories (their "
@@ -48,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, default=1000)
   p.add_argument("--batch", type=int, default=8, help="sequences per training step")
   p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT_LR})")
+  p.add_argument("--lr", type=float, help="peak learning rate (default: the kind's, "
+                 + ", ".join(f"{k} {cls.learning_rate:g}" for k, cls in sorted(kinds.items())) + ")")
   p.add_argument("--sequences", type=int, default=1024, help="windows the target continues at each temperature")
   p.add_argument("--prompt-len", type=int, default=64, help="tokens in each window")
   p.add_argument("--new-tokens", type=int, default=192, help="tokens the target adds to each window")
@@ -189,25 +196,13 @@ def task_for(args: argparse.Namespace, target):
   from jspec.training import train
 
   tok = target.tokenizer
-  if args.kind == "model":
+  cls = registry.drafter_class(args.kind)
+  if cls.is_draft_model:
     fields = json.loads(args.draft_shape) if args.draft_shape else draft_shape(target.config)
     fields = {**fields, "vocab_size": target.config.vocab_size, "eos_id": target.config.eos_id,
               "bos_id": target.config.bos_id}
     return train.model_task(fields, tok, teacher=target, ce_weight=0.1)
-  return train.heads_task(target, args.kind, heads_options(args), tok)
-
-
-def heads_options(args: argparse.Namespace) -> dict:
-  if args.kind == "medusa":
-    return {"num_heads": args.num_heads}
-  if args.feature_layers == "last":
-    return {"feature_weight": 1.0, "feature_noise": 0.2}
-  try:
-    layers = "eagle3" if args.feature_layers == "eagle3" else [int(i) for i in args.feature_layers.split(",")]
-  except ValueError:
-    raise ValueError(f"--feature-layers: expected eagle3, last or layers such as 1,4,6, got "
-                     f"{args.feature_layers!r}") from None
-  return {"feature_layers": layers, "ttt_steps": args.ttt_steps}
+  return train.heads_task(target, args.kind, cls.training_options(args), tok)
 
 
 def warm_started(task, directory: str):
@@ -249,6 +244,7 @@ def run(args: argparse.Namespace) -> dict:
   from jspec import calibration, checkpoint
   from jspec.training import train
 
+  cls = registry.drafter_class(args.kind)
   if args.steps < 1 or args.batch < 1 or args.seq_len < 2 or args.sequences < 0 or args.slots < 1:
     raise ValueError("--steps, --batch, --slots must be >= 1, --seq-len >= 2, --sequences >= 0")
   if not 0.0 <= args.mix < 1.0:
@@ -274,7 +270,7 @@ def run(args: argparse.Namespace) -> dict:
   if len(shards["validation"]) <= args.seq_len + 1:  # a small held-out slice validates on shorter windows
     shards["validation"] = np.resize(shards["validation"], args.seq_len + 2)
   steps = args.steps
-  tcfg = {"steps": steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr or DEFAULT_LR[args.kind],
+  tcfg = {"steps": steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr or cls.learning_rate,
           "warmup_steps": max(steps // 20, 1), "eval_every": max(steps // 10, 1), "save_every": max(steps // 20, 1),
           "seed": args.seed}
   place = lambda batch: batch
@@ -291,7 +287,7 @@ def run(args: argparse.Namespace) -> dict:
   log["heldout_tau_k4"] = heldout_tau(target, draft, streams["heldout"])
   (out / "train_log.json").write_text(json.dumps(log, indent=2))
   print(f"{out}: τ {log['heldout_tau_k4']:.2f} at K = 4 on held-out prompts (greedy); "
-        f"use it with --draft {out}" + ("" if kind == "model" else f" --drafter {kind}"))
+        f"use it with --draft {out}" + ("" if cls.is_draft_model else f" --drafter {kind}"))
   return log
 
 
