@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,60 +24,52 @@ from jspec.config import ModelConfig, num_params
 from jspec.decoder import make_decoder
 from jspec.request import make_requests
 from jspec.settings import CostModel, SpecConfig
+from jspec.timing import interleaved
 
 STEPS = 32  # steps per timed loop
 USED = 200  # tokens in the cache while timing
 
 
-def interleaved(fns: dict, repeats: int, warmup: bool = True, warm_each: bool = False) -> dict[str, float]:
-  """Median seconds of each fn, calling them in turn `repeats` times (after one warm-up each).
+def timed_loop(step: Callable[[jax.Array, Any], tuple[Any, jax.Array]], carry: Any, steps: int = STEPS,
+               donate: bool = False) -> Callable[[], None]:
+  """A call that runs `step(i, carry) -> (carry, value)` `steps` times in one jitted `fori_loop` and blocks
+  until it is done. The values are summed into what the loop returns, so XLA can drop none of the work, and
+  inputs that move with `i` keep anything from being hoisted. With `donate` the carry is donated and each
+  call continues from the previous one's (caches, as in the decode loop: no call pays for a copy); else
+  every call starts from `carry`."""
+  @functools.partial(jax.jit, donate_argnums=0 if donate else ())
+  def run(carry):
+    def body(i, c):
+      carry, total = c
+      carry, value = step(i, carry)
+      return carry, total + value.astype(jnp.float32)
+    return lax.fori_loop(0, steps, body, (carry, jnp.zeros((), jnp.float32)))
 
-  `warm_each` times each call right after an untimed call of the same fn: for fns that share no weights,
-  so that none is timed with the CPU caches full of the previous fn's data.
-  """
-  for f in fns.values() if warmup else ():
-    f()
-  times = {k: [] for k in fns}
-  for _ in range(repeats):
-    for k, f in fns.items():
-      if warm_each:
-        f()
-      t0 = time.perf_counter()
-      f()
-      times[k].append(time.perf_counter() - t0)
-  return {k: statistics.median(v) for k, v in times.items()}
+  held = [carry]
+
+  def call():
+    carry, total = run(held[0])
+    if donate:
+      held[0] = carry
+    jax.block_until_ready(total)
+  return call
 
 
 def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int, seq: int, attention: bool = True,
               steps: int = STEPS):
-  """A jitted while-loop of `steps` forwards of `seq` tokens per row over a cache holding `used` tokens.
-
-  The cache is donated and handed back, as in the decode loop, so no call pays for copying it.
-  """
+  """`timed_loop` of `steps` forwards of `seq` tokens per row over a cache holding `used` tokens (donated)."""
   tokens = jnp.ones((batch, seq), jnp.int32)
   positions = used + jnp.broadcast_to(jnp.arange(seq), (batch, seq))
 
-  def one(cache):
+  def one(i, cache):
     if attention:
       logits, _, cache = model.forward(params, tokens, positions, cache, config)
-      return logits, cache.rewind(cache.lengths - seq)
+      return cache.rewind(cache.lengths - seq), logits[0, 0, 0]
     hidden = model.trunk(params, tokens, positions, config, lambda i, q, k, v: q)
-    return model.logits_from_hidden(params, hidden, config), cache
+    return cache, model.logits_from_hidden(params, hidden, config)[0, 0, 0]
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def run(cache):
-    def body(i, c):
-      acc, cache = c
-      logits, cache = one(cache)
-      return acc + logits[0, 0, 0], cache
-    return lax.fori_loop(0, steps, body, (jnp.zeros(()), cache))
-
-  state = [kvcache.init_cache(config, batch, capacity).rewind(jnp.full((batch,), used, jnp.int32))]
-
-  def call():
-    acc, state[0] = run(state[0])
-    jax.block_until_ready(acc)
-  return call, steps
+  cache = kvcache.init_cache(config, batch, capacity).rewind(jnp.full((batch,), used, jnp.int32))
+  return timed_loop(one, cache, steps, donate=True), steps
 
 
 def started(target, draft, kind: str, draft_len: int, batch: int, used: int = USED, max_new: int = 10 ** 6):
@@ -99,38 +91,26 @@ def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = USED,
   decoder, state = started(target, draft, kind, 2, batch, used)
   tparams, lens = decoder.target_params, state.seq_lens_B
 
-  def propose_loop(k: int):
+  def propose(k: int):
     keys = jnp.zeros((k, batch, 2), jnp.uint32)
 
-    # Caches are carried through the loop and donated, as in the decode loop, so no step pays a copy.
-    @functools.partial(jax.jit, donate_argnums=0)
-    def loop(dstate):
-      def body(i, carry):
-        acc, dstate = carry
-        dstate, proposal = decoder.drafter.propose(decoder.weights, dstate,
-                                                   state.context.replace(seq_lens_B=lens - i % 2), keys)
-        return acc + proposal.logits_BxKxV[0, -1, 0], dstate
-      return lax.fori_loop(0, STEPS, body, (jnp.zeros(()), dstate))
-    return loop
+    def step(i, dstate):
+      dstate, proposal = decoder.drafter.propose(decoder.weights, dstate,
+                                                 state.context.replace(seq_lens_B=lens - i % 2), keys)
+      return dstate, proposal.logits_BxKxV[0, -1, 0]
+    return step
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def target_loop(cache):
-    def body(i, carry):
-      acc, cache = carry
-      pos = lens[:, None] - 1 - i % 2
-      logits, _, cache = model.forward(tparams, state.tokens_BxT[:, :1], pos, cache.rewind(pos[:, 0]), target.config)
-      return acc + logits[0, 0, 0], cache
-    return lax.fori_loop(0, STEPS, body, (jnp.zeros(()), cache))
+  def target_step(i, cache):
+    pos = lens[:, None] - 1 - i % 2
+    logits, _, cache = model.forward(tparams, state.tokens_BxT[:, :1], pos, cache.rewind(pos[:, 0]), target.config)
+    return cache, logits[0, 0, 0]
 
-  loops = {"one": propose_loop(1), "two": propose_loop(2), "target": target_loop}
-  carried = {name: jax.tree.map(jnp.copy, state.target_cache if name == "target" else state.drafter_state)
-             for name in loops}  # each its own, to donate
-
-  def run(name):
-    acc, carried[name] = loops[name](carried[name])
-    jax.block_until_ready(acc)
-
-  t = interleaved({name: functools.partial(run, name) for name in loops}, repeats)
+  # Each loop carries (and donates) its own copy of the caches, as the decode loop does.
+  own = lambda tree: jax.tree.map(jnp.copy, tree)
+  loops = {"one": timed_loop(propose(1), own(state.drafter_state), donate=True),
+           "two": timed_loop(propose(2), own(state.drafter_state), donate=True),
+           "target": timed_loop(target_step, own(state.target_cache), donate=True)}
+  t = interleaved(loops, repeats)
   return max(t["two"] - t["one"], 0.0) / t["target"]
 
 
@@ -147,17 +127,18 @@ def verify_ratio(target, batch: int, k: int, repeats: int, used: int = USED) -> 
 def round_ratio(target, draft, kind: str, draft_len: int, repeats: int, batch: int = 1) -> float:
   """A speculative round of `draft_len` drafts over a plain step, greedy, from the same decode state, each
   32 times in a jitted loop: 1 + o + K (c + v) in the cost model's terms."""
-  decoder, state = started(target, draft, kind, draft_len, batch)
-
-  def timed(step):
-    def body(i, carry):
-      s, acc = carry
-      s = step(decoder, s)
-      return s, acc + s.seq_lens_B.sum()
-    run = jax.jit(lambda s: lax.fori_loop(0, STEPS, body, (s, jnp.zeros((), jnp.int32)))[1])
-    return lambda: jax.block_until_ready(run(state))
-  t = interleaved({"round": timed(decode.speculative_step), "step": timed(decode.autoregressive_step)}, repeats)
+  t = interleaved(round_and_step(*started(target, draft, kind, draft_len, batch)), repeats)
   return t["round"] / t["step"]
+
+
+def round_and_step(decoder, state, steps: int = STEPS) -> dict[str, Callable[[], None]]:
+  """`timed_loop`s of a speculative round ("round") and of a plain step ("step"), both from `state`."""
+  def timed(step):
+    def one(i, s):
+      s = step(decoder, s)
+      return s, s.seq_lens_B.sum()
+    return timed_loop(one, state, steps)
+  return {"round": timed(decode.speculative_step), "step": timed(decode.autoregressive_step)}
 
 
 def measure(target, draft, kind: str, batches: list[int] | tuple[int, ...] = (1,), repeats: int = 5,

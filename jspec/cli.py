@@ -182,10 +182,10 @@ def run_batch(args: argparse.Namespace, target, models: dict, prompts: list[str]
   if args.baseline:
     plain = lambda: jspec.generate(target, prompts, seed=args.seed, mesh=models["mesh"], **sampling)
     base = plain()  # both have now run once untimed: compiled, and the caches warm
-    walls = {"speculative": [], "plain": []}
-    for _ in range(args.repeats):  # interleaved, so both see the same machine
-      walls["speculative"].append(speculative().stats.wall_seconds)
-      walls["plain"].append(plain().stats.wall_seconds)
+    from jspec.timing import interleaved_runs
+    walls = interleaved_runs({"speculative": lambda: speculative().stats.wall_seconds,
+                              "plain": lambda: plain().stats.wall_seconds},
+                             args.repeats, warmup=False, reports_seconds=True)
     ratios = [p / s for p, s in zip(walls["plain"], walls["speculative"])]
     median_plain = statistics.median(walls["plain"])
     out["baseline"] = {"tokens_per_second": base.stats.emitted_tokens / median_plain,

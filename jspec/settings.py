@@ -43,6 +43,17 @@ def _is_real(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+COST_FIELDS = ("cost_ratio", "verify_cost", "round_overhead")
+
+
+def _check_costs(config, optional: bool) -> None:
+  """Each of `config`'s cost fields (c, v, o) is a finite number >= 0 (or None, when `optional`)."""
+  for name in COST_FIELDS:
+    value = getattr(config, name)
+    _check((optional and value is None) or (_is_real(value) and value >= 0),
+           f"{name} must be a finite number >= 0, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How each token is drawn from the target's distribution. temperature 0 is greedy; top_k 0 and
@@ -90,9 +101,7 @@ class CostModel:
           (int(b), c if isinstance(c, CostModel) else CostModel(**c)) for b, c in self.batches.items())))
     _check(all(_is_int(b) and b >= 2 and isinstance(c, CostModel) for b, c in self.batches),
            f"batches must map batch sizes >= 2 to cost models, got {self.batches}")
-    for name in ("cost_ratio", "verify_cost", "round_overhead"):
-      value = getattr(self, name)
-      _check(_is_real(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
+    _check_costs(self, optional=False)
     _check(all(isinstance(getattr(self, n), (str, type(None))) for n in ("backend", "device_kind")),
            "backend and device_kind must be strings")
     _check(self.target_params is None or _is_int(self.target_params),
@@ -124,8 +133,6 @@ class CostModel:
     return cls(cost_ratio=0.1 if reads_weights else 0.0)
 
 
-COST_FIELDS = ("cost_ratio", "verify_cost", "round_overhead")
-
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
@@ -154,10 +161,7 @@ class AdaptiveConfig:
   def __post_init__(self):
     _check(self.disable_at_rows is None or (_is_int(self.disable_at_rows) and self.disable_at_rows >= 1),
            f"disable_at_rows must be an integer >= 1, got {self.disable_at_rows}")
-    for name in ("cost_ratio", "verify_cost", "round_overhead"):
-      value = getattr(self, name)
-      _check(value is None or (_is_real(value) and value >= 0),
-             f"{name} must be a finite number >= 0, got {value}")
+    _check_costs(self, optional=True)
     _check(_is_real(self.fallback_threshold) and 0 <= self.fallback_threshold <= 1,
            f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
     for name in ("probe_interval", "window", "initial_draft_len"):

@@ -24,13 +24,12 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import jspec
 from jspec import cache as kvcache
 from jspec import decode, model, programs, shipped, testing
 from jspec.bench.timing import interleaved
-from jspec.calibration import step_loop
+from jspec.calibration import round_and_step, step_loop
 from jspec.config import ModelConfig, num_params
 from jspec.decoder import make_decoder
 from jspec.request import make_requests
@@ -128,12 +127,7 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
     decoder = make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
     requests = make_requests(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
     state = jax.jit(decode.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
-
-    def timed(step, state=state, decoder=decoder):
-      run = jax.jit(lambda s: lax.fori_loop(0, 8, lambda i, s: step(decoder, s), s).seq_lens_B)
-      return lambda: jax.block_until_ready(run(state))
-    t = interleaved({"round": timed(decode.speculative_step), "step": timed(decode.autoregressive_step)},
-                    1 if smoke else 3)
+    t = interleaved(round_and_step(decoder, state, steps=8), 1 if smoke else 3)
     out["round_in_target_steps"][k] = t["round"] / t["step"]
   return out
 

@@ -16,7 +16,7 @@ import jspec
 from jspec import cache as kvcache
 from jspec import decode, model, shipped, testing
 from jspec.bench.timing import interleaved
-from jspec.calibration import started, step_loop
+from jspec.calibration import started, step_loop, timed_loop
 from jspec.config import ModelConfig, num_params
 from jspec.drafters import Proposal
 
@@ -193,13 +193,7 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
       "verify_step": lambda s, i: with_lengths(decode.verify_step(decoder, s, fixed, keys[0])),
       "propose": propose, "verify_forward": verify_forward, "propose_and_ar_step": propose_and_ar_step}
 
-  def timed(fn):
-    def body(i, carry):
-      s, acc = carry
-      s, value = fn(s, i)
-      return s, acc + value
-    run = jax.jit(lambda s: lax.fori_loop(0, 32, body, (s, jnp.zeros((), jnp.float32)))[1])
-    return lambda: jax.block_until_ready(run(state))
+  timed = lambda fn: timed_loop(lambda i, s: fn(s, i), state, steps=32)
   t = {k: v / 32 * 1e3 for k, v in interleaved({k: timed(f) for k, f in parts.items()}, repeats).items()}
   rest = t["round"] - t["propose"] - t["verify_forward"]
   return {"drafter": kind, "draft_len": draft_len, "batch": batch, "used": used, "ms": t,

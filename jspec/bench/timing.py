@@ -8,7 +8,7 @@ import time
 
 import jax
 
-from jspec.calibration import interleaved  # noqa: F401  (the suites time with it)
+from jspec.timing import interleaved  # noqa: F401  (the suites time with it)
 
 
 def peak_memory_mb() -> float | None:
