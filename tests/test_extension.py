@@ -25,7 +25,7 @@ class BigramDrafter(drafters.Drafter):
     last_B = jnp.take_along_axis(context.tokens_BxT, context.seq_lens_B[:, None] - 1, axis=1)[:, 0]
     table_VxV = weights.drafter
     return draft_chain(lambda carry, token_B: (carry, table_VxV[token_B]), None, table_VxV[last_B], keys_KxBx2,
-                       context.sampling)
+                       context)
 
 
 @pytest.fixture(scope="module")

@@ -273,14 +273,11 @@ def draw_path(keys_KxBx2: jax.Array, logits_BxKxV: jax.Array, context: DraftCont
 
 
 def draft_chain(step: Callable[[Any, jax.Array], tuple[Any, jax.Array]], carry: Any, logits_BxV: jax.Array,
-                keys_KxBx2: jax.Array, context: DraftContext | SamplingParams) -> tuple[Any, Proposal]:
-  """Samples K tokens autoregressively (`draw`): token i from the logits so far, then `step(carry, token)`
-  gives the next logits. The last token needs no step: the next round feeds it if it is accepted.
-  Given only the rows' `SamplingParams` (drafters written before constraints), drafts are drawn unmasked:
-  still exact, since the target rejects what a constraint does not allow.
+                keys_KxBx2: jax.Array, context: DraftContext) -> tuple[Any, Proposal]:
+  """Samples K tokens autoregressively (`draw`, with the rows' sampling values and constraints): token i
+  from the logits so far, then `step(carry, token)` gives the next logits. The last token needs no step:
+  the next round feeds it if it is accepted.
   """
-  if isinstance(context, SamplingParams):
-    context = DraftContext(None, None, context)
   def body(c, key_Bx2):
     carry, logits_BxV, fsm = c
     token, logits_BxV, fsm = draw(key_Bx2, logits_BxV, fsm, context)
