@@ -33,14 +33,14 @@ def nbytes(tree: Any) -> int:
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _shards(spec: PartitionSpec, mesh_shape: dict[str, int]) -> int:
+def _shards(spec: PartitionSpec, sizes: dict[str, int]) -> int:
   """How many pieces a spec cuts an array into."""
   axes = [a for part in spec if part is not None for a in (part if isinstance(part, tuple) else (part,))]
-  return math.prod(mesh_shape[a] for a in axes)
+  return math.prod(sizes[a] for a in axes)
 
 
-def _per_device(tree: Any, specs: Any, mesh_shape: dict[str, int]) -> int:
-  sizes = jax.tree.map(lambda x, s: nbytes(x) // _shards(s, mesh_shape), tree, specs,
+def _per_device(tree: Any, specs: Any, sizes: dict[str, int]) -> int:
+  sizes = jax.tree.map(lambda x, s: nbytes(x) // _shards(s, sizes), tree, specs,
                        is_leaf=lambda x: isinstance(x, PartitionSpec))
   return sum(jax.tree.leaves(sizes))
 
@@ -55,7 +55,8 @@ def planned_mesh(sizes: dict[str, int]) -> PlannedMesh:
   return PlannedMesh({**{a: 1 for a in sharding.AXES}, **sizes})
 
 
-def mesh_shape(mesh) -> dict[str, int]:
+def axis_sizes(mesh) -> dict[str, int]:
+  """Each mesh axis's size (1 for every axis without a mesh); `mesh_shape` elsewhere is the tuple of them."""
   return {a: 1 for a in sharding.AXES} if mesh is None else dict(mesh.shape)
 
 
@@ -103,7 +104,7 @@ def usage(decoder: Decoder, batch: int, prompt_width: int, capacity: int, mesh=N
   """What one device holds for `batch` rows of `capacity` cache slots, prompts padded to `prompt_width`
   (`prefill_rows` of them prefilled together; default all). `workspace_per_row`: a measured workspace
   (`jspec.shaped.compiled_workspace` / rows), else `estimated_workspace`."""
-  shape = mesh_shape(mesh)
+  shape = axis_sizes(mesh)
   plan_mesh = planned_mesh(shape)
   target_config, drafter = decoder.target_config, decoder.drafter
   draft_config = getattr(drafter, "config", None) if shard_draft else None
@@ -208,8 +209,8 @@ def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, me
   def need(rows: int, ctx: int) -> Usage:
     w, c = shape(decoder, ctx, min(prompt_len, max(ctx - 1, 1)), serving)
     return usage(decoder, rows, w, c, mesh, shard_draft, per_row, prefill_rows)
-  return Plan(batch, context, prompt_len, capacity, math.prod(mesh_shape(mesh).values()), need(batch, context),
-              source, memory[0], memory[1], max_batch(need, context, memory[0], mesh_shape(mesh)["data"]),
+  return Plan(batch, context, prompt_len, capacity, math.prod(axis_sizes(mesh).values()), need(batch, context),
+              source, memory[0], memory[1], max_batch(need, context, memory[0], axis_sizes(mesh)["data"]),
               max_context(need, batch, decoder.context_len, memory[0]))
 
 

@@ -56,7 +56,7 @@ def compiled_workspace_per_row(decoder: Decoder, batch: int, context: int, promp
                                serving: bool = False) -> float | None:
   """`compiled_workspace` per row of one device, for the batch a plan sizes (`memory.make_plan`'s
   `workspace_per_row`); None where the backend does not say."""
-  rows = max(batch // memory.mesh_shape(mesh)["data"], 1)
+  rows = max(batch // memory.axis_sizes(mesh)["data"], 1)
   width, capacity = memory.shape(decoder, context, prompt_len, serving)
   measured = compiled_workspace(decoder, rows, width, capacity)
   return None if measured is None else measured / rows
