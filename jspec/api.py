@@ -15,7 +15,7 @@ from jspec.constraints import Constraint
 from jspec.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
 from jspec.model import Model
-from jspec.request import check_prompts, make_requests, seed_array
+from jspec.request import check_prompts, make_batch, seed_array
 from jspec.scheduler import SEGMENT_ROUNDS, Engine, Stream
 from jspec.settings import SamplingConfig, SpecConfig
 from jspec.stats import RequestStats, Stats
@@ -121,7 +121,7 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, None, sampling,
                                  mesh)
   tables = _constraint_tables(target, constraint, len(prompt_ids), ignore_eos)
-  requests = make_requests(decoder, prompt_ids, max_new_tokens, sampling=sampling, seed=seed, ignore_eos=ignore_eos,
+  requests = make_batch(decoder, prompt_ids, max_new_tokens, sampling=sampling, seed=seed, ignore_eos=ignore_eos,
                            constraints=tables)
   width = requests.prompts_BxP.shape[1]
   memory.check(decoder, len(prompt_ids), width + max_new_tokens, width, mesh, shard_draft)

@@ -22,7 +22,7 @@ from jspec import cache as kvcache
 from jspec import costs, decode, model
 from jspec.config import ModelConfig, num_params
 from jspec.decoder import make_decoder
-from jspec.request import make_requests
+from jspec.request import make_batch
 from jspec.settings import CostModel, SpecConfig
 from jspec.timing import interleaved
 
@@ -77,7 +77,7 @@ def started(target, draft, kind: str, draft_len: int, batch: int, used: int = US
   512 slots."""
   decoder = make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
   prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)).tolist()
-  requests = make_requests(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
+  requests = make_batch(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
   return decoder, decode.start(decoder, requests.replace(max_new_tokens_B=np.full((batch,), max_new, np.int32)))
 
 

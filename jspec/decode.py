@@ -1,7 +1,7 @@
 """The decode loop, its state, and its steps: autoregressive (the baseline) and speculative.
 
 A `Decoder` (`jspec.decoder`) bundles what the loop runs (weights, and the static program: configs, drafter,
-speculation settings); `Requests` holds a batch's per-row inputs as arrays; `start` builds the `DecodeState` and runs
+speculation settings); `Batch` holds a batch's per-row inputs as arrays; `start` builds the `DecodeState` and runs
 both prefills; `run` is ONE `lax.while_loop` of `step` until every row is done. The steps are public, for
 research code that drives rounds itself; `jspec.rows` decodes and refills rows of a running batch.
 
@@ -29,7 +29,7 @@ from jspec.automaton import Automata
 from jspec.control import run_if, run_switch
 from jspec.decoder import Decoder
 from jspec.drafters.base import DraftContext, DrafterState, Proposal, TreeProposal
-from jspec.request import Requests
+from jspec.request import Batch
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
 from jspec.settings import AdaptiveConfig
 from jspec.stats import DecodeStats
@@ -67,9 +67,9 @@ class DecodeState:
     return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling, self.constraint)
 
 
-def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None) -> DecodeState:
+def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None) -> DecodeState:
   """A state holding the right-padded prompts and empty caches of `capacity` slots (default: the requests'
-  own, `Requests.capacity`)."""
+  own, `Batch.capacity`)."""
   capacity = _capacity(requests, capacity)
   batch, prompt_width = requests.prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(requests.prompts_BxP)
@@ -94,14 +94,14 @@ def init_state(decoder: Decoder, requests: Requests, capacity: int | None = None
                        drafter_state=jax.tree.map(with_len, state.drafter_state, is_leaf=is_cache))
 
 
-def _capacity(requests: Requests, capacity: int | None) -> int:
+def _capacity(requests: Batch, capacity: int | None) -> int:
   capacity = capacity or requests.capacity
   if capacity is None:
-    raise ValueError("no capacity: build the requests with jspec.request.make_requests, or pass capacity")
+    raise ValueError("no capacity: build the requests with jspec.request.make_batch, or pass capacity")
   return capacity
 
 
-def start(decoder: Decoder, requests: Requests, capacity: int | None = None) -> DecodeState:
+def start(decoder: Decoder, requests: Batch, capacity: int | None = None) -> DecodeState:
   """The state after both prefills, ready for `run` or `step`, with caches of `capacity` slots (default:
   `requests.capacity`), laid out by `decoder.layout` on a mesh."""
   state = init_state(decoder, requests, capacity)

@@ -23,7 +23,7 @@ from jspec import cache as kvcache
 from jspec import decode, request, sharding
 from jspec.decoder import Decoder
 from jspec.machine import device_memory
-from jspec.request import Requests
+from jspec.request import Batch
 from jspec.sampling import sampling_arrays
 
 GB = 1e9
@@ -60,12 +60,12 @@ def axis_sizes(mesh) -> dict[str, int]:
   return {a: 1 for a in sharding.AXES} if mesh is None else dict(mesh.shape)
 
 
-def abstract_requests(decoder: Decoder, batch: int, prompt_width: int, capacity: int) -> Requests:
+def abstract_requests(decoder: Decoder, batch: int, prompt_width: int, capacity: int) -> Batch:
   """The shapes of a batch's requests (nothing allocated, whatever the batch)."""
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch, *np.shape(x)[1:]), np.asarray(x).dtype),
                           sampling_arrays(request.GREEDY, 1))
-  return Requests(prompts_BxP=i32(batch, prompt_width), prompt_lens_B=i32(batch), max_new_tokens_B=i32(batch),
+  return Batch(prompts_BxP=i32(batch, prompt_width), prompt_lens_B=i32(batch), max_new_tokens_B=i32(batch),
                   sampling=sampling, seeds_B=jax.ShapeDtypeStruct((batch,), jnp.uint32),
                   stop_BxE=i32(batch, max(1, len(decoder.target_config.stop_ids))),
                   speculate_B=jax.ShapeDtypeStruct((batch,), jnp.bool_), capacity=capacity)

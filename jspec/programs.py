@@ -19,14 +19,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import decode, executables
 from jspec.decoder import Decoder
-from jspec.request import Requests
+from jspec.request import Batch
 from jspec.rows import insert, run_rows
 from jspec.stats import DecodeStats
 
 log = logging.getLogger("jspec")
 
 
-def _run(decoder: Decoder, requests: Requests) -> tuple[jax.Array, jax.Array, DecodeStats]:
+def _run(decoder: Decoder, requests: Batch) -> tuple[jax.Array, jax.Array, DecodeStats]:
   """Prefills and decodes a batch. Returns `(tokens [B,T], seq_lens [B], stats)`; row b's new tokens are
   `tokens[b, prompt_len:seq_len]`."""
   state = decode.run(decoder, decode.start(decoder, requests))
@@ -36,7 +36,7 @@ def _run(decoder: Decoder, requests: Requests) -> tuple[jax.Array, jax.Array, De
 run = jax.jit(_run)
 
 
-def lower(decoder: Decoder, requests: Requests) -> Any:
+def lower(decoder: Decoder, requests: Batch) -> Any:
   """`run` lowered for these arguments. On a mesh (`decoder.layout`) its shardings are explicit, as
   `jax.jit(in_shardings=..., out_shardings=...)` (what pjit became): each argument keeps the sharding it
   was placed with (`jspec.sharding.place_decoder`, `place`) and the outputs are replicated. The decode
@@ -113,7 +113,7 @@ def _count_cache_hits(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_cache_hits)
 
 
-def compiled_run(decoder: Decoder, requests: Requests) -> tuple[Any, float]:
+def compiled_run(decoder: Decoder, requests: Batch) -> tuple[Any, float]:
   """The executable of `run` for these argument shapes (call it with `(decoder, requests)`), and the
   seconds spent compiling it now (0 if cached)."""
   return compiled("decode", lambda: lower(decoder, requests), (decoder, requests))

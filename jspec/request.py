@@ -1,6 +1,7 @@
-"""A batch of requests as the decode loop takes them, and the one constructor every caller uses.
+"""A `Batch`: requests as the decode loop takes them (per-row arrays on the device), and `make_batch`, the one
+constructor every caller uses.
 
-`make_requests` validates the prompts against the decoder (vocabulary, context), pads them to a prompt
+`make_batch` validates the prompts against the decoder (vocabulary, context), pads them to a prompt
 bucket, sizes the KV cache (`capacity`), and turns seeds, stop tokens and sampling settings into per-row
 arrays, so that new values never recompile. `jspec.generate`, `jspec.stream`, the benchmarks and the tests
 all build their requests here.
@@ -25,7 +26,7 @@ GREEDY = SamplingConfig()
 
 
 @flax.struct.dataclass
-class Requests:
+class Batch:
   """A batch's inputs, one row each; arrays, so new values never recompile. `capacity` (static: a compiled
   shape) is the slots each row's caches and token buffer hold."""
   prompts_BxP: jax.Array  # int32, right-padded
@@ -56,7 +57,7 @@ def capacity(prompt_width: int, max_new_tokens: int, headroom: int) -> int:
 
 def stop_table(stop_ids: Sequence[int] | Sequence[Sequence[int]], batch: int,
                width: int | None = None) -> np.ndarray:
-  """`Requests.stop_BxE`: the tokens that end each row, -1 padded (a row of -1: none) to `width` (default:
+  """`Batch.stop_BxE`: the tokens that end each row, -1 padded (a row of -1: none) to `width` (default:
   the longest list), from one list for every row or a list per row."""
   rows = [list(stop_ids)] * batch if not stop_ids or isinstance(stop_ids[0], numbers.Integral) else \
       [list(r) for r in stop_ids]
@@ -99,14 +100,14 @@ def check_prompts(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new
                        f"the model's context of {context} tokens")
 
 
-def make_requests(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *,
+def make_batch(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *,
                   sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
                   seed: int | Sequence[int] = 0, ignore_eos: bool = False,
                   stop_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                   width: int | None = None, capacity_slots: int | None = None, stop_width: int | None = None,
                   speculate: bool | Sequence[bool] = True,
                   constraints: Sequence[Tables | None] | None = None,
-                  constraint_shape: tuple[int, int] | None = None) -> Requests:
+                  constraint_shape: tuple[int, int] | None = None) -> Batch:
   """The requests for `prompt_ids` (token-id lists), checked against `decoder` (`check_prompts`).
 
   Prompts are right-padded to their bucket (`prompt_bucket`, or `width`); the capacity is what the widest
@@ -133,9 +134,14 @@ def make_requests(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new
                                constraint_shape)
     if automata.class_BxV.shape[0] != batch:
       raise ValueError(f"got constraints for {automata.class_BxV.shape[0]} rows, not {batch}")
-  return Requests(prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(p) for p in prompt_ids], np.int32),
+  return Batch(prompts_BxP=prompts_BxP, prompt_lens_B=np.asarray([len(p) for p in prompt_ids], np.int32),
                   max_new_tokens_B=np.full((batch,), max_new_tokens, np.int32),
                   sampling=sampling_arrays(sampling, batch), seeds_B=seed_array(seed, batch),
                   stop_BxE=stop_table(stops, batch, stop_width),
                   speculate_B=np.broadcast_to(np.asarray(speculate, bool), (batch,)).copy(), constraint=automata,
                   capacity=slots)
+
+
+# The names of the previous release (a `Batch` holds many `jspec.Request`s' rows; it is not one of them).
+Requests = Batch
+make_requests = make_batch

@@ -11,7 +11,7 @@ from jax import lax
 
 from jspec.decode import DecodeState, init_state, run, start
 from jspec.decoder import Decoder
-from jspec.request import Requests, make_requests
+from jspec.request import Batch, make_batch
 
 
 def run_rows(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
@@ -35,12 +35,12 @@ def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, i
   """`_row_blocks` for a running state: requests of its shapes."""
   capacity, stop_width = state.tokens_BxT.shape[1], state.stop_BxE.shape[1]
   shape = None if state.constraint is None else state.constraint.bucket
-  requests = make_requests(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width,
+  requests = make_batch(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width,
                                    constraint_shape=shape)
   return _row_blocks(decoder, requests, capacity)
 
 
-def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.Array) -> DecodeState:
+def insert(decoder: Decoder, state: DecodeState, requests: Batch, slot: jax.Array) -> DecodeState:
   """Starts `requests` (R rows) in rows `[slot, slot + R)` of a running state, as `start` would have in a
   state of their own: their tokens, caches, drafter state, sampling values, keys and per-row statistics
   are replaced; the batch-wide statistics keep counting. Rows are contiguous blocks of every per-row
@@ -56,7 +56,7 @@ def insert(decoder: Decoder, state: DecodeState, requests: Requests, slot: jax.A
   return jax.tree.unflatten(treedef, new_leaves)
 
 
-def _row_blocks(decoder: Decoder, requests: Requests, capacity: int) -> list[tuple[int, int] | None]:
+def _row_blocks(decoder: Decoder, requests: Batch, capacity: int) -> list[tuple[int, int] | None]:
   """For each leaf of a `DecodeState`: (axis, rows of it per batch row), or None for a batch-wide leaf,
   found by comparing the state's shapes for batches of one and two rows."""
   def shapes(batch):

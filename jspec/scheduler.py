@@ -311,10 +311,10 @@ class Engine:
           self._state.constraint, shape, self.slots, self.decoder.target_config.vocab_size))
     self._constraint_shape = shape
 
-  def _requests(self, reqs: list[Request]) -> request.Requests:
+  def _requests(self, reqs: list[Request]) -> request.Batch:
     stop_ids = [list(() if r.ignore_eos else self.eos) + [int(t) for t in r.stop_ids] for r in reqs]
     tables = [self._tables(r) for r in reqs]
-    requests = request.make_requests(
+    requests = request.make_batch(
         self.decoder, [r.prompt_ids for r in reqs], max(r.max_new_tokens for r in reqs),
         sampling=[r.sampling for r in reqs], seed=[r.seed for r in reqs], stop_ids=stop_ids,
         capacity_slots=self.capacity, stop_width=self.stop_width, speculate=[r.speculate for r in reqs],

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import jspec  # noqa: E402
 from jspec import hf, model, programs, sharding, testing  # noqa: E402
 from jspec.decoder import make_decoder  # noqa: E402
-from jspec.request import make_requests  # noqa: E402
+from jspec.request import make_batch  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)
@@ -69,7 +69,7 @@ def collectives(mesh, mode):
   """all-reduce / all-gather counts in the while bodies of the loop `runs` compiled for the mesh: "ar", or
   speculative with a "sharded" or "replicated" draft (the same executables: nothing compiles again)."""
   decoder = make_decoder(target, *((None, None) if mode == "ar" else (draft, FIXED)), batch=8)
-  requests = make_requests(decoder, prompts, 12)
+  requests = make_batch(decoder, prompts, 12)
   decoder = sharding.place_decoder(mesh, decoder, 8, shard_draft=mode != "replicated")
   requests = sharding.place(requests, mesh)
   compiled, seconds = programs.compiled_run(decoder, requests)

@@ -9,7 +9,7 @@ import pytest
 import jspec
 from jspec import decode, testing
 from jspec.decoder import make_decoder
-from jspec.request import make_requests
+from jspec.request import make_batch
 
 NO_EOS = testing.NO_EOS
 FIXED_K = testing.fixed_k()
@@ -106,13 +106,13 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(pair):
 def test_requests_stop_each_row_at_its_own_tokens(pair):
   target, _ = pair
   decoder = make_decoder(target, None, None, 2)
-  per_row = make_requests(decoder, [[1, 2], [3]], 4, stop_ids=[[7], [8, 9]])
+  per_row = make_batch(decoder, [[1, 2], [3]], 4, stop_ids=[[7], [8, 9]])
   assert per_row.stop_BxE.tolist() == [[7, -1], [8, 9]]
-  assert make_requests(decoder, [[1]], 4, stop_ids=[5, 6]).stop_BxE.tolist() == [[5, 6]]
-  assert make_requests(decoder, [[1]], 4, ignore_eos=True).stop_BxE.tolist() == [[-1]]
+  assert make_batch(decoder, [[1]], 4, stop_ids=[5, 6]).stop_BxE.tolist() == [[5, 6]]
+  assert make_batch(decoder, [[1]], 4, ignore_eos=True).stop_BxE.tolist() == [[-1]]
   plain = jspec.generate(target, [[1, 2], [3]], max_new_tokens=8).token_ids
   stops = [plain[0][2], plain[1][4]]  # each row's third and fifth token
-  requests = make_requests(decoder, [[1, 2], [3]], 8, stop_ids=[[s] for s in stops])
+  requests = make_batch(decoder, [[1, 2], [3]], 8, stop_ids=[[s] for s in stops])
   r = decode.run(decoder, decode.start(decoder, requests))
   lens = (r.seq_lens_B - r.prompt_lens_B).tolist()
   assert lens[0] == plain[0].index(stops[0]) + 1 and lens[1] == plain[1].index(stops[1]) + 1
@@ -141,7 +141,7 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   target, draft = pair
   chex.clear_trace_counter()
   decoder = make_decoder(target, draft, jspec.SpecConfig(draft_len=3, adaptive=None), batch=2)
-  template = make_requests(decoder, [[1] * 16] * 2, 6)
+  template = make_batch(decoder, [[1] * 16] * 2, 6)
 
   @jax.jit
   @chex.assert_max_traces(n=1)

@@ -9,7 +9,7 @@ import pytest
 import jspec
 from jspec import checkpoint, decode, drafters, shipped, testing
 from jspec.decoder import make_decoder
-from jspec.request import make_requests
+from jspec.request import make_batch
 from jspec.settings import SpecConfig
 
 CONFIG = testing.SMALL_VOCAB
@@ -68,7 +68,7 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   spec = SpecConfig(draft_len, drafter=kind.rstrip("3"), adaptive=None)
   decoder = make_decoder(target, draft, spec, batch)
   ps = prompts(batch, seed=2)
-  requests = make_requests(decoder, ps, 64, width=width)
+  requests = make_batch(decoder, ps, 64, width=width)
   keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
 
   @jax.jit

@@ -7,7 +7,7 @@ import pytest
 from jspec import cache as kvcache
 from jspec import drafters, model, programs, testing, tree
 from jspec.decoder import Decoder
-from jspec.request import make_requests
+from jspec.request import make_batch
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
 
 CONFIG = testing.NO_EOS
@@ -37,7 +37,7 @@ def _decoder_and_requests(batch, kind, capacity=512):
   # The target's head made explicit, as `make_decoder` does: the program that runs.
   decoder = Decoder(model.with_head(target.params), draft_params, target_config=CONFIG, drafter=drafter,
                            spec=spec)
-  return decoder, make_requests(decoder, [[0, 0, 0]] * batch, 8, capacity_slots=capacity)
+  return decoder, make_batch(decoder, [[0, 0, 0]] * batch, 8, capacity_slots=capacity)
 
 
 def _hlo(batch, kind, capacity=512):
@@ -63,7 +63,7 @@ def test_constraint_tables_are_not_copied_in_the_loop():
   decoder, _ = _decoder_and_requests(4, "model-adaptive")
   vocabulary = constraints.Vocabulary.of(testing.random_model(CONFIG).tokenizer, [256], CONFIG.vocab_size)
   tables = constraints.compile(jspec.Regex("[a-z]{1,40}"), vocabulary)
-  requests = make_requests(decoder, [[0, 0, 0]] * 4, 8, capacity_slots=512, constraints=[tables] * 4,
+  requests = make_batch(decoder, [[0, 0, 0]] * 4, 8, capacity_slots=512, constraints=[tables] * 4,
                            constraint_shape=(128, 24))
   text = programs.lower(decoder, requests).compile().as_text()
   assert testing.loop_cache_copies(text, 4 * 128 * 24) == []

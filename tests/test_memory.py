@@ -69,7 +69,7 @@ def test_the_plan_counts_what_decoding_allocates():
   """The state a real decode starts from holds exactly the plan's caches."""
   target, draft = testing.random_pair()
   decoder = jspec.pairing.make_decoder(target, draft, None, 3)
-  requests = request.make_requests(decoder, [[1, 2], [3], [4, 5, 6]], 40)
+  requests = request.make_batch(decoder, [[1, 2], [3], [4, 5, 6]], 40)
   state = decode.init_state(decoder, requests)
   u = memory.usage(decoder, 3, requests.prompts_BxP.shape[1], requests.capacity)
   assert u.kv_cache_bytes == memory.nbytes(state.target_cache)

@@ -32,7 +32,7 @@ from jspec.bench.timing import interleaved
 from jspec.calibration import round_and_step, step_loop
 from jspec.config import ModelConfig, num_params
 from jspec.decoder import make_decoder
-from jspec.request import make_requests
+from jspec.request import make_batch
 from jspec.settings import SpecConfig
 from jspec.tokenizer import byte_tokenizer
 
@@ -99,7 +99,7 @@ def target_section(config: ModelConfig, params, smoke: bool) -> dict:
   m = jspec.Model(config, params, TOKENIZER)
   prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
   decoder = make_decoder(m, None, None, 1)
-  requests = make_requests(decoder, prompt, new, ignore_eos=True)
+  requests = make_batch(decoder, prompt, new, ignore_eos=True)
   executable, compile_s = programs.compiled_run(decoder, requests)
   first = requests.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
   t = interleaved({"decode": lambda: jax.block_until_ready(executable(decoder, requests)),
@@ -125,7 +125,7 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
   prompt = np.random.default_rng(0).integers(0, target_config.vocab_size, (1, 256)).tolist()
   for k in ((2,) if smoke else (2, 4, 8)):
     decoder = make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
-    requests = make_requests(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
+    requests = make_batch(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
     state = jax.jit(decode.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
     t = interleaved(round_and_step(decoder, state, steps=8), 1 if smoke else 3)
     out["round_in_target_steps"][k] = t["round"] / t["step"]
