@@ -17,12 +17,13 @@ MODULES = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__
            for p in PACKAGE.rglob("*.py")}
 
 
-def _runtime_imports(path: pathlib.Path) -> set[str]:
+def _runtime_imports(path: pathlib.Path, type_only: bool = False) -> set[str]:
   """The jspec modules a module imports anywhere in its body (functions too; `if TYPE_CHECKING:` blocks,
-  which never run, excepted)."""
+  which never run, only with `type_only`)."""
   tree = ast.parse(path.read_text())
-  skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-             for child in node.body for n in ast.walk(child)}
+  skipped = set() if type_only else {
+      id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+      for child in node.body for n in ast.walk(child)}
   found = set()
   for node in ast.walk(tree):
     if id(node) in skipped:
@@ -66,6 +67,41 @@ def test_the_cycle_detector_finds_a_cycle(tmp_path, monkeypatch):
   monkeypatch.setitem(MODULES, "jspec.a", a)
   monkeypatch.setitem(MODULES, "jspec.b", b)
   assert ["jspec.a", "jspec.b", "jspec.a"] in _cycles()
+
+
+def _layers() -> dict[str, int]:
+  """Each module's layer, as docs/design.md's table lists them (0 first: the lowest)."""
+  design = (REPO / "docs" / "design.md").read_text()
+  table = design[design.index("| layer | modules |"):].split("\n\n")[0].splitlines()[2:]
+  layers = {}
+  for index, row in enumerate(table):
+    for entry in re.findall(r"`([\w/]+(?:\.py|/))`", row.split("|")[2]):
+      prefix = "jspec." + entry.removesuffix(".py").removesuffix("/").replace("/", ".")
+      for name in MODULES:
+        if name == prefix.removesuffix(".__init__") or (entry.endswith("/") and name.startswith(prefix + ".")) \
+            or (entry.endswith("/") and name == prefix):
+          layers[name] = index
+  return layers
+
+
+def _upward_imports(layers: dict[str, int]) -> list[str]:
+  return [f"{name} ({layers[name]}) imports {dep} ({layers[dep]})"
+          for name, path in sorted(MODULES.items()) if name in layers
+          for dep in sorted(_runtime_imports(path, type_only=True) & set(layers)) if layers[dep] > layers[name]]
+
+
+def test_every_import_points_down_the_layers_of_the_design():
+  layers = _layers()
+  assert sorted(set(MODULES) - set(layers)) == [], "modules docs/design.md's layer table does not list"
+  assert _upward_imports(layers) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
+  low = tmp_path / "low.py"
+  low.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  from jspec.api import generate\n")
+  monkeypatch.setitem(MODULES, "jspec.low", low)
+  layers = {**_layers(), "jspec.low": 0}
+  assert _upward_imports(layers) == [f"jspec.low (0) imports jspec.api ({layers['jspec.api']})"]
 
 
 def _modules_after(code: str) -> set[str]:
