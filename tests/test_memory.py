@@ -12,6 +12,7 @@ import jspec
 from jspec import cache as kvcache
 from jspec import decode, loading, machine, memory, plan, request, shaped, testing
 from jspec.config import ModelConfig, num_params
+from jspec.decoder import make_decoder
 from jspec.settings import SpecConfig
 
 # A tiny model whose context is long: hundreds of rows of 200k tokens would need tens of GB.
@@ -68,7 +69,7 @@ def test_the_plan_is_the_parameter_and_cache_arithmetic(family, dtype, tmp_path)
 def test_the_plan_counts_what_decoding_allocates():
   """The state a real decode starts from holds exactly the plan's caches."""
   target, draft = testing.random_pair()
-  decoder = jspec.pairing.make_decoder(target, draft, None, 3)
+  decoder = make_decoder(target, draft, None, 3)
   requests = request.make_batch(decoder, [[1, 2], [3], [4, 5, 6]], 40)
   state = decode.init_state(decoder, requests)
   u = memory.usage(decoder, 3, requests.prompts_BxP.shape[1], requests.capacity)
@@ -111,7 +112,7 @@ def test_the_estimated_workspace_bounds_the_compiled_one():
   target = testing.random_model(dataclasses.replace(testing.NO_EOS, max_seq_len=2048))
   for kind in ("model", "eagle"):
     draft = testing.random_draft(kind, target)
-    decoder = jspec.pairing.make_decoder(target, draft, SpecConfig(drafter=kind, adaptive=None), 2)
+    decoder = make_decoder(target, draft, SpecConfig(drafter=kind, adaptive=None), 2)
     for width, capacity in [(16, 256), (768, 1024)]:
       measured = shaped.compiled_workspace(decoder, 2, width, capacity)
       assert measured is not None and 0 < measured <= memory.estimated_workspace(decoder, 2, width)
@@ -139,7 +140,7 @@ def test_what_cannot_fit_is_refused_before_anything_is_allocated():
   message = _refused(lambda: jspec.make_engine(m, slots=300, max_len=200_000))
   assert "300 rows of 200,000 tokens" in message
   # A fraction of the device, as a server reserves it; without slots, as many as fit that fraction.
-  need = lambda rows: memory.make_plan(jspec.pairing.make_decoder(m, None, None, 1), rows, 200_000, 199_999,
+  need = lambda rows: memory.make_plan(make_decoder(m, None, None, 1), rows, 200_000, 199_999,
                                        serving=True, memory=(budget, "")).usage.total_bytes
   fraction = (need(4) + need(5)) / 2 / budget
   with pytest.raises(ValueError, match="of the memory available"):
@@ -187,7 +188,7 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
 
 def test_the_plan_shapes_caches_as_generate_and_the_engine_do():
   m = testing.random_model()
-  decoder = jspec.pairing.make_decoder(m, None, None, 1)
+  decoder = make_decoder(m, None, None, 1)
   assert memory.shape(decoder, 300, 16) == (16, request.capacity(16, 284, decoder.headroom)) == (16, 512)
   assert memory.shape(decoder, 300, 299, serving=True) == (384, 384)
   assert jspec.make_engine(m, slots=1, max_len=300).capacity == 384
