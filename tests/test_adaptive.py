@@ -125,16 +125,19 @@ def pair():
   return testing.random_pair(CONFIG)
 
 
-@pytest.mark.parametrize("drafter,threshold", [("model", 0.95), ("ngram", 0.0)])
-def test_adaptive_greedy_equals_plain_decoding(pair, drafter, threshold):
-  """With fallback and probes (a threshold few rounds reach), and with speculation that never falls back."""
+@pytest.mark.parametrize("drafter,threshold,draft_len", [("model", 0.95, 5), ("ngram", 0.0, 4)])
+def test_adaptive_greedy_equals_plain_decoding(pair, drafter, threshold, draft_len):
+  """With fallback and probes (a threshold few rounds reach; every K up to 5 a branch), and with speculation
+  that never falls back: the target's greedy tokens, its full-forward argmax."""
   target, draft = pair
   prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 3], [0, 0]]
   ar = jspec.generate(target, prompts, max_new_tokens=40)
   spec = SpecConfig(drafter=drafter, adaptive=AdaptiveConfig(fallback_threshold=threshold, probe_interval=3))
   r = jspec.generate(target, prompts, draft=draft if drafter == "model" else None, spec=spec, max_new_tokens=40,
-                     draft_len=4)
+                     draft_len=draft_len)
   assert r.token_ids == ar.token_ids
+  for p, ids in zip(prompts, r.token_ids):
+    testing.assert_target_argmax(target, p, ids)
   counts = r.stats.draft_len_counts
   assert sum(counts.values()) == r.stats.target_forwards
   if threshold > 0:

@@ -52,12 +52,13 @@ def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_s
   assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.3, 0.1, 0.6), "checkpoint")
   costs.store(target, draft, "model", CostModel(0.25, 0.0, 0.5, **testing.measured_here()))
   assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.25, 0.0, 0.5), "calibrated")
-  stats = jspec.generate(target, [[1, 2]], draft=here, max_new_tokens=4).stats.to_dict()
+  stats = jspec.generate(target, [[1, 2]], draft=here, max_new_tokens=4, draft_len=2).stats.to_dict()
   assert stats["cost_model"] == {"source": "calibrated", "cost_ratio": 0.25, "verify_cost": 0.0,
                                  "round_overhead": 0.5}
   assert jspec.generate(target, [[1, 2]], max_new_tokens=4).stats.cost_model is None  # plain decoding
 
 
+@pytest.mark.slow
 def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys, monkeypatch):
   """A jspec directory pair: the CLI measures at batch 1, keeps the figures where generate finds them,
   and with --write puts them in the draft's checkpoint; a run on neutral or checkpoint figures says how to

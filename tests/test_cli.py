@@ -52,12 +52,14 @@ def test_save_load_round_trip(ckpts):
   half = jspec.load(ckpts / "target", dtype="bfloat16")
   assert jax.tree.leaves(half.params)[0].dtype == jax.numpy.bfloat16
   draft = jspec.load(ckpts / "draft", dtype="bfloat16")
-  c = jspec.generate(half, ["hello"], draft=draft, max_new_tokens=8)
+  c = jspec.generate(half, ["hello"], draft=draft, max_new_tokens=8, spec=testing.fixed_k(3))
   assert len(c.token_ids[0]) == 8 and c.stats.drafted_tokens > 0
 
 
 def _cli(ckpts, *args):
-  argv = ["--target", str(ckpts / "target"), "--draft", str(ckpts / "draft"), "--max-new-tokens", "5", *args]
+  # Adaptive K (the default) up to 2: fewer branches to compile than the default 4, the same paths.
+  argv = ["--target", str(ckpts / "target"), "--draft", str(ckpts / "draft"), "--max-new-tokens", "5",
+          "--draft-len", "2", *args]
   return argv
 
 
@@ -141,6 +143,7 @@ def test_api_raises_value_error(ckpts):
     jspec.generate(target, ["x"], draft=jspec.load(ckpts / "low-share"))
 
 
+@pytest.mark.slow
 def test_cli_json_end_to_end_in_a_subprocess(ckpts, tmp_path):
   prompts = tmp_path / "p.jsonl"
   prompts.write_text(json.dumps({"prompt": "def f("}) + "\n" + json.dumps({"prompt": "x = "}) + "\n")
@@ -163,6 +166,7 @@ def test_cli_json_end_to_end_in_a_subprocess(ckpts, tmp_path):
   assert bad.returncode == 2 and bad.stderr.startswith("error:") and bad.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_cli_runs_every_drafter_kind(ckpts, capsys):
   target = jspec.load(ckpts / "target")
   heads = testing.random_heads(drafters.MedusaDrafter(target.config, 4))
@@ -185,9 +189,10 @@ def test_cli_runs_every_drafter_kind(ckpts, capsys):
     assert out["stats"]["tree"] == {"depth": 2, "top_k": 2, "nodes": 3 if "--tree-choices" in extra else 5}
 
 
+@pytest.mark.slow
 def test_cli_dtype(ckpts, capsys):
   base = ["--target", str(ckpts / "target"), "--draft", str(ckpts / "draft"), "--prompt", "abc", "--json",
-          "--max-new-tokens", "4"]
+          "--max-new-tokens", "4", "--draft-len", "2"]
   assert cli.main(base + ["--dtype", "bfloat16"]) == 0
   assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 4
   with pytest.raises(SystemExit):
@@ -195,6 +200,7 @@ def test_cli_dtype(ckpts, capsys):
   assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_ignore_eos_decodes_past_eos(ckpts, capsys):
   # With this seed the prompt's first sampled token is EOS: plain decoding stops there, --ignore-eos does not.
   base = ["--target", str(ckpts / "target"), "--no-draft", "--prompt", "x", "--temperature", "1", "--seed", "7",
@@ -206,11 +212,12 @@ def test_cli_ignore_eos_decodes_past_eos(ckpts, capsys):
   assert lengths == [1, 12]
 
 
+@pytest.mark.slow
 def test_cli_structured_output(ckpts, capsys, tmp_path):
   schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
   (tmp_path / "schema.json").write_text(json.dumps(schema))
   base = ["--target", str(ckpts / "target"), "--draft", str(ckpts / "draft"), "--prompt", "x", "--prompt", "yes? ",
-          "--max-new-tokens", "40", "--json", "--quiet"]
+          "--max-new-tokens", "40", "--draft-len", "2", "--json", "--quiet"]
   for extra, valid in [(["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no")),
                        (["--regex", "[0-9]{2}-[a-z]{2}"], lambda t: re.fullmatch("[0-9]{2}-[a-z]{2}", t)),
                        (["--json-schema", str(tmp_path / "schema.json"), "--temperature", "0.8"],
@@ -219,6 +226,7 @@ def test_cli_structured_output(ckpts, capsys, tmp_path):
     assert all(valid(o["text"]) for o in json.loads(capsys.readouterr().out)["outputs"])
 
 
+@pytest.mark.slow
 def test_cli_prompt_file_with_continuous_batching_writes_and_resumes_its_output(ckpts, tmp_path, capsys):
   prompts = tmp_path / "prompts.txt"
   prompts.write_text("".join(f"def f{i}(x):\\n    return\n" for i in range(5)))
@@ -249,6 +257,7 @@ def test_cli_prompt_file_with_continuous_batching_writes_and_resumes_its_output(
   assert json.loads(capsys.readouterr().out)["outputs"] == []
 
 
+@pytest.mark.slow
 def test_cli_stream_prints_what_the_batch_prints(ckpts, capsys):
   base = _cli(ckpts, "--prompt", "abc", "--prompt", "hello there", "--max-new-tokens", "10", "--quiet")
   assert cli.main(base + ["--no-stream"]) == 0

@@ -12,7 +12,7 @@ import pytest
 
 import jspec
 from jspec import automaton, constraints, decode, model, testing, tokenizer
-from jspec.settings import SpecConfig, TreeConfig
+from jspec.settings import AdaptiveConfig, SpecConfig, TreeConfig
 
 # Nine tokens: '!' .. '(' (ids 0..7) and an EOS (id 8).
 LAW_CONFIG = dataclasses.replace(testing.TINY, vocab_size=9, eos_id=8)
@@ -147,7 +147,10 @@ CHAINS = [("model", None), ("eagle", None), ("medusa", None), ("ngram", None),
 @pytest.mark.parametrize("kind,shape", CHAINS, ids=[f"{k}{'-tree' * bool(s)}" for k, s in CHAINS])
 def test_constrained_greedy_speculation_is_constrained_plain_decoding(target, plain, kind, shape):
   draft = testing.random_draft(kind, target, heads=3, scale=2.0 if kind == "medusa" else 0.5)
-  spec = SpecConfig(drafter=kind, draft_len=3, tree=shape)
+  # Adaptive K (plain steps and catch-ups under a constraint) with the draft model; trees and the other
+  # chains draft K every round.
+  adaptive = AdaptiveConfig() if kind == "model" and shape is None else None
+  spec = SpecConfig(drafter=kind, draft_len=3, tree=shape, adaptive=adaptive)
   r = jspec.generate(target, PROMPTS, draft=draft, spec=spec, max_new_tokens=40, constraint=ROWS)
   assert r.token_ids == plain.token_ids
 

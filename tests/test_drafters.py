@@ -30,16 +30,15 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
   return [rng.integers(0, VOCAB, size=int(n)).tolist() for n in rng.integers(1, 12, size=count)]
 
 
-# (kind, K, adaptive): the draft model also with adaptive K (the default), every K up to 5 a branch.
-GREEDY = [("model", 1, False), ("model", 5, True), ("medusa", 4, False), ("eagle", 4, False), ("eagle", 1, False),
-          ("ngram", 4, False)]
+# (kind, K), every round drafting K; adaptive K's greedy identity: test_adaptive.py.
+GREEDY = [("model", 1), ("medusa", 4), ("eagle", 4), ("eagle", 1), ("ngram", 4)]
 
 
-@pytest.mark.parametrize("kind,draft_len,adaptive", GREEDY)
-def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len, adaptive):
+@pytest.mark.parametrize("kind,draft_len", GREEDY)
+def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len):
   ps = prompts(6)
   ar = jspec.generate(target, ps, max_new_tokens=20)
-  spec = SpecConfig(draft_len, drafter=kind) if adaptive else testing.fixed_k(draft_len, drafter=kind)
+  spec = testing.fixed_k(draft_len, drafter=kind)
   r = jspec.generate(target, ps, draft=make_draft(kind, target), spec=spec, max_new_tokens=20)
   assert r.stats.drafter == kind
   assert r.token_ids == ar.token_ids

@@ -25,6 +25,7 @@ def stored(cache_dir):
   return sorted((cache_dir / executables.SUBDIR).glob("*.bin"))
 
 
+@pytest.mark.slow
 def test_a_new_process_loads_the_program_and_decodes_the_same(cache_dir, caplog):
   target = testing.random_model(NO_EOS, seed=0, scale=2.0)
   draft = testing.perturbed(target, 0.5)

@@ -3,7 +3,11 @@
 import json
 import math
 
+import pytest
+
 from jspec.bench.cli import main
+
+pytestmark = pytest.mark.slow  # the whole suite's sections, end to end
 
 
 def test_gpu_check_smoke_run_writes_every_section(tmp_path):

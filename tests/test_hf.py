@@ -25,6 +25,8 @@ from jspec.checkpoint import save  # noqa: E402
 from jspec.decoder import make_decoder  # noqa: E402
 from jspec.tokenizer import byte_tokenizer, encode  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every family against transformers
+
 FIXED = testing.fixed_k(3)  # every round drafts 3: the tests exercise verification
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import jspec
 from jspec import shipped
 
@@ -145,6 +147,7 @@ def test_tools_and_tests_use_only_public_names():
   assert offenders == []
 
 
+@pytest.mark.slow
 def test_an_installed_wheel_finds_the_shipped_models_and_reuses_compiled_programs(tmp_path):
   """`pip install .` (not editable), then `jspec.generate` from another directory: the shipped checkpoints
   come with the package, and a second run loads its program from the persistent compile cache."""

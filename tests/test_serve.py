@@ -18,6 +18,8 @@ from jspec import shipped, testing, tokenizer
 from jspec.serve import app
 from jspec.serve.launch import start, stop
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess
+
 MODEL = "code-small"
 MAX_MODEL_LEN = 128
 MAX_QUEUE = 40
@@ -28,7 +30,7 @@ PROMPTS = ["def parse_args(", "import os\n", "class Config:\n    def __init__(se
 @pytest.fixture(scope="module")
 def server():
   proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
-                    "--segment-rounds", "4", "--batch-size", "2", "--no-calibrate")
+                    "--segment-rounds", "4", "--batch-size", "2", "--draft-len", "2", "--no-calibrate")
   yield proc, url
   stop(proc)
 
@@ -293,7 +295,7 @@ def test_chat_completions_through_a_model_with_a_template(tmp_path):
                                     "{% if add_generation_prompt %}<assistant>{% endif %}")
   model = dataclasses.replace(model, chat_template=template)
   jspec.save(model, tmp_path / "chat")
-  proc, url = start("--target", str(tmp_path / "chat"), "--drafter", "ngram", "--no-adaptive",
+  proc, url = start("--target", str(tmp_path / "chat"), "--drafter", "ngram", "--no-adaptive", "--batch-size", "1",
                            "--max-model-len", "128", "--served-model-name", "tiny")
   try:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # meshes of simulated devices in subprocesses
+
 WORKER = pathlib.Path(__file__).resolve().parent / "mesh_worker.py"
 
 

@@ -39,7 +39,7 @@ VOLATILE = ("wall_seconds", "compile_seconds", "tokens_per_second")
 def test_segments_decode_exactly_what_one_loop_does(pair, temperature, segment_rounds):
   """Adaptive K (the default) included: every decision lives in the carried state."""
   target, draft = pair
-  kw = dict(draft=draft, max_new_tokens=20, temperature=temperature, seed=4)
+  kw = dict(draft=draft, draft_len=2, max_new_tokens=20, temperature=temperature, seed=4)
   one = jspec.generate(target, PROMPTS, **kw)
   stream = jspec.stream(target, PROMPTS, segment_rounds=segment_rounds, **kw)
   ids, texts = collect(stream)
@@ -54,7 +54,7 @@ def test_the_decoder_is_built_for_the_rows_that_run(pair):
   """One prompt streamed with room for 8 rows runs one row: planned as batch 1, not compared with a
   batch-size threshold as if 8 rows ran."""
   target, draft = pair
-  spec = jspec.SpecConfig(disable_at_batch_size=2)
+  spec = jspec.SpecConfig(draft_len=2, disable_at_batch_size=2)
   stream = jspec.stream(target, PROMPTS[:1], draft=draft, spec=spec, batch_size=8, max_new_tokens=12)
   assert stream.slots == 1 and stream.decoder.drafter is not None
   collect(stream)

@@ -52,6 +52,7 @@ def _config(tmp_path, name, steps, **extra):
   return path
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
   (tmp_path / "data").symlink_to(data_dir)
   assert train.main(["--config", str(_config(tmp_path, "target", 20))]) == 0
@@ -95,6 +96,7 @@ def tiny_target(tmp_path_factory, data_dir):
   return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tiny_target, kind):
   tmp_path = tiny_target
@@ -109,6 +111,7 @@ def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tiny_target, 
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
 
 
+@pytest.mark.slow
 def test_continuations_are_the_targets_text_and_a_draft_distills_on_them(tiny_target):
   root = tiny_target
   out = root / "continuations"
@@ -137,6 +140,7 @@ def test_continuations_are_the_targets_text_and_a_draft_distills_on_them(tiny_ta
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
 
 
+@pytest.mark.slow
 def test_drafter_recipe_trains_each_kind_for_a_target_and_resumes(tiny_target, tmp_path):
   """`python -m jspec.train drafter`: text files and JSONL in, the target's continuations, training, and a
   drafter directory out (weights, cost model, τ on held-out prompts) that decodes losslessly; a rerun
