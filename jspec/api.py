@@ -3,9 +3,12 @@ statistics."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -30,8 +33,9 @@ class Result:
   request_stats: list[RequestStats]  # one per prompt
 
 
-def _sampling(sampling, temperature, top_k, top_p) -> SamplingConfig | list[SamplingConfig]:
+def _sampling(options: Options) -> SamplingConfig | list[SamplingConfig]:
   """The sampling settings from either the `sampling=` object(s) or the simple keywords (not both)."""
+  sampling, temperature, top_k, top_p = options.sampling, options.temperature, options.top_k, options.top_p
   if sampling is None:
     return SamplingConfig(0.0 if temperature is None else temperature, top_k or 0, 1.0 if top_p is None else top_p)
   if any(x is not None for x in (temperature, top_k, top_p)):
@@ -58,14 +62,14 @@ def _mesh_shape(mesh: Mesh | None) -> tuple[int, ...]:
   return (1, 1) if mesh is None else tuple(mesh.shape.values())
 
 
-def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size: int | None,
-             sampling: SamplingConfig | list[SamplingConfig],
-             mesh: Mesh | None) -> tuple[list[list[int]], Decoder]:
+def _prepare(target: Model, prompts, options: Options, batch_size: int | None,
+             sampling: SamplingConfig | list[SamplingConfig]) -> tuple[list[list[int]], Decoder]:
   """Validated token ids and the decoder for the rows that run: every prompt, or at most `batch_size`."""
   if isinstance(prompts, (str, bytes)):
     prompts = [prompts]
-  if draft_len is not None:
-    spec = dataclasses.replace(spec or SpecConfig(), draft_len=draft_len)
+  spec, chat = options.spec, options.chat
+  if options.draft_len is not None:
+    spec = dataclasses.replace(spec or SpecConfig(), draft_len=options.draft_len)
   if batch_size is not None and not (isinstance(batch_size, numbers.Integral) and batch_size >= 1):
     raise ValueError(f"batch_size must be an integer >= 1, got {batch_size}")
   if chat:
@@ -78,8 +82,8 @@ def _prepare(target: Model, prompts, draft, draft_len, spec, chat, max_new_token
   if isinstance(sampling, list) and len(sampling) != len(prompt_ids):
     raise ValueError(f"got sampling settings for {len(sampling)} rows, not {len(prompt_ids)}")
   rows = min(batch_size or len(prompt_ids), len(prompt_ids)) or 1
-  decoder = make_decoder(target, draft, spec, rows, _mesh_shape(mesh))
-  check_prompts(decoder, prompt_ids, max_new_tokens)
+  decoder = make_decoder(target, options.draft, spec, rows, _mesh_shape(options.mesh))
+  check_prompts(decoder, prompt_ids, options.max_new_tokens)
   return prompt_ids, decoder
 
 
@@ -88,12 +92,49 @@ DEFAULT_SLOTS = 8  # an engine's rows when not given: each width up to it is a p
 Samplings = SamplingConfig | Sequence[SamplingConfig] | None
 
 
-def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft: Model | Heads | None = None,
-             max_new_tokens: int = 64, temperature: float | None = None, top_k: int | None = None,
-             top_p: float | None = None, sampling: Samplings = None, draft_len: int | None = None,
-             seed: int | Sequence[int] = 0, spec: SpecConfig | None = None, chat: bool = False,
-             ignore_eos: bool = False, mesh: Mesh | None = None, shard_draft: bool = True,
-             constraint: Constraints = None) -> Result:
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The keywords `generate` and `stream` share (each is documented at `generate`); both take them as
+  keywords, and their signatures list them."""
+  draft: Model | Heads | None = None
+  max_new_tokens: int = 64
+  temperature: float | None = None
+  top_k: int | None = None
+  top_p: float | None = None
+  sampling: Samplings = None
+  draft_len: int | None = None
+  seed: int | Sequence[int] = 0
+  spec: SpecConfig | None = None
+  chat: bool = False
+  ignore_eos: bool = False
+  mesh: Mesh | None = None
+  shard_draft: bool = True
+  constraint: Constraints = None
+
+
+def _with_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn(target, prompts, *, its own keywords, options: Options)` called as `fn(target, prompts, **keywords)`:
+  the `Options` keywords gathered into `options`, an unknown keyword refused as Python refuses one, and
+  every keyword in the signature `help()` and editors show."""
+  own = [p for p in inspect.signature(fn).parameters.values() if p.name != "options"]
+  fields = [f.name for f in dataclasses.fields(Options)]
+
+  @functools.wraps(fn)
+  def call(target, prompts, **keywords):
+    unknown = sorted(set(keywords) - set(fields) - {p.name for p in own})
+    if unknown:
+      raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {unknown[0]!r}")
+    options = Options(**{k: v for k, v in keywords.items() if k in fields})
+    return fn(target, prompts, options=options, **{k: v for k, v in keywords.items() if k not in fields})
+
+  shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(Options)]
+  call.__signature__ = inspect.signature(fn).replace(parameters=own[:2] + shared + own[2:])
+  return call
+
+
+@_with_options
+def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, options: Options) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft `Model` or trained Medusa/EAGLE `Heads` (`jspec.load` returns either); with
@@ -117,17 +158,17 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
   `jspec.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs as one
   SPMD program on the mesh, across processes when `jax.distributed` is initialized.
   """
-  sampling = _sampling(sampling, temperature, top_k, top_p)
-  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, None, sampling,
-                                 mesh)
-  tables = _constraint_tables(target, constraint, len(prompt_ids), ignore_eos)
-  requests = make_batch(decoder, prompt_ids, max_new_tokens, sampling=sampling, seed=seed, ignore_eos=ignore_eos,
-                           constraints=tables)
+  o = options
+  sampling = _sampling(o)
+  prompt_ids, decoder = _prepare(target, prompts, o, None, sampling)
+  tables = _constraint_tables(target, o.constraint, len(prompt_ids), o.ignore_eos)
+  requests = make_batch(decoder, prompt_ids, o.max_new_tokens, sampling=sampling, seed=o.seed,
+                        ignore_eos=o.ignore_eos, constraints=tables)
   width = requests.prompts_BxP.shape[1]
-  memory.check(decoder, len(prompt_ids), width + max_new_tokens, width, mesh, shard_draft)
-  if mesh is not None:
-    decoder = sharding.place_decoder(mesh, decoder, len(prompt_ids), shard_draft)
-    requests = sharding.place(requests, mesh)
+  memory.check(decoder, len(prompt_ids), width + o.max_new_tokens, width, o.mesh, o.shard_draft)
+  if o.mesh is not None:
+    decoder = sharding.place_decoder(o.mesh, decoder, len(prompt_ids), o.shard_draft)
+    requests = sharding.place(requests, o.mesh)
   executable, compile_seconds = programs.compiled_run(decoder, requests)
   start = time.perf_counter()
   tokens, seq_lens, stats = jax.block_until_ready(executable(decoder, requests))
@@ -141,13 +182,9 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, dra
                 request_stats=[RequestStats.of_row(stats, b, len(ids)) for b, ids in enumerate(token_ids)])
 
 
-def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft: Model | Heads | None = None,
-           max_new_tokens: int = 64, temperature: float | None = None, top_k: int | None = None,
-           top_p: float | None = None, sampling: Samplings = None, draft_len: int | None = None,
-           seed: int | Sequence[int] = 0, spec: SpecConfig | None = None, chat: bool = False,
-           ignore_eos: bool = False, mesh: Mesh | None = None, shard_draft: bool = True,
-           batch_size: int | None = None, segment_rounds: int = SEGMENT_ROUNDS,
-           constraint: Constraints = None) -> Stream:
+@_with_options
+def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, batch_size: int | None = None,
+           segment_rounds: int = SEGMENT_ROUNDS, options: Options) -> Stream:
   """Decodes like `generate`, handing out each prompt's text as it is accepted: iterate over the returned
   `Stream` for `Delta(index, text, token_ids, finished, stats)`s (a prompt's last delta has `finished` and
   its `RequestStats`); `stream.stats` holds the totals afterwards.
@@ -159,16 +196,16 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, draft
   wait. On a mesh, continuous batching needs a cache laid out by batch row (no kv-head split). `constraint`
   is as for `generate`.
   """
-  sampling = _sampling(sampling, temperature, top_k, top_p)
-  prompt_ids, decoder = _prepare(target, prompts, draft, draft_len, spec, chat, max_new_tokens, batch_size,
-                                 sampling, mesh)
+  o = options
+  sampling = _sampling(o)
+  prompt_ids, decoder = _prepare(target, prompts, o, batch_size, sampling)
   slots = min(batch_size or len(prompt_ids), len(prompt_ids))
-  _constraint_tables(target, constraint, len(prompt_ids), ignore_eos)  # refuses a bad one before anything runs
-  if mesh is not None:
-    decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
-  return Stream(decoder, target.tokenizer, prompt_ids, slots=slots, max_new_tokens=max_new_tokens,
-                sampling=sampling, seeds=seed_array(seed, len(prompt_ids)).tolist(), ignore_eos=ignore_eos,
-                segment_rounds=segment_rounds, constraint=constraint)
+  _constraint_tables(target, o.constraint, len(prompt_ids), o.ignore_eos)  # refuses a bad one before anything runs
+  if o.mesh is not None:
+    decoder = sharding.place_decoder(o.mesh, decoder, slots, o.shard_draft)
+  return Stream(decoder, target.tokenizer, prompt_ids, slots=slots, max_new_tokens=o.max_new_tokens,
+                sampling=sampling, seeds=seed_array(o.seed, len(prompt_ids)).tolist(), ignore_eos=o.ignore_eos,
+                segment_rounds=segment_rounds, constraint=o.constraint)
 
 
 def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: SpecConfig | None = None,
