@@ -29,17 +29,6 @@ EXAMPLES = """examples:
 log = flags.log
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-  """Shows each flag's default where it has one worth saying and its help does not already say it."""
-
-  def _get_help_string(self, action: argparse.Action) -> str:
-    text = action.help or ""
-    if "default" not in text and not any(action.default is x for x in (None, False, argparse.SUPPRESS)) \
-        and action.default != []:
-      text += " (default: %(default)s)"
-    return text
-
-
 def parser() -> argparse.ArgumentParser:
   sampling = SamplingConfig()
   p = argparse.ArgumentParser(prog="python -m jspec.generate", formatter_class=flags.Formatter, epilog=EXAMPLES,
