@@ -108,13 +108,14 @@ def test_greedy_equals_the_targets_ragged_and_adaptive(law_pair, code_target):
   draft = testing.renamed_vocab(code_target, split=12, added=6)
   prompts = _prompts(code_target)
   plain = jspec.generate(code_target, prompts, max_new_tokens=32)
-  for spec in (testing.fixed_k(4), None):  # adaptive K (the default) includes plain steps and wide catch-ups
+  # Adaptive K (the default, here up to 2) includes plain steps and wide catch-ups.
+  for spec in (testing.fixed_k(4), jspec.SpecConfig(draft_len=2)):
     got = jspec.generate(code_target, prompts, draft=draft, spec=spec, max_new_tokens=32)
     assert got.token_ids == plain.token_ids
   testing.assert_target_argmax(code_target, prompts[0], plain.token_ids[0])
   target, poor = law_pair  # a poor draft: the adaptive policy steps aside, and the draft catches up after
   plain = jspec.generate(target, [LAW_PROMPT, [3] * 9], max_new_tokens=48)
-  got = jspec.generate(target, [LAW_PROMPT, [3] * 9], draft=poor, max_new_tokens=48)
+  got = jspec.generate(target, [LAW_PROMPT, [3] * 9], draft=poor, max_new_tokens=48, draft_len=2)
   assert got.token_ids == plain.token_ids and got.stats.plain_forwards > 0
 
 

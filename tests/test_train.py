@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import checkpoint, tokenizer
+from jspec import checkpoint, testing, tokenizer
 from jspec import train as entry
 from jspec.training import continuations, data, train
 
@@ -165,7 +165,7 @@ def test_drafter_recipe_trains_each_kind_for_a_target_and_resumes(tiny_target, t
     assert (kind in checkpoint.read_cost_models(out)) == (kind == "eagle")
     if kind == "eagle":
       assert draft.drafter.version == 3  # EAGLE-3 by default
-    r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, draft_len=3)
+    r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, spec=testing.fixed_k(3))
     assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
 
   # A rerun with more steps: the continuation parts are kept and training resumes at step 4.

@@ -54,7 +54,7 @@ def test_each_node_sees_exactly_its_path(config, heads_major):
   for b, prompt in enumerate(prompts):
     for i, path in enumerate(_paths(PARENTS)):
       tokens = prompt[:-1] + [int(chunk[b, j]) for j in path]
-      want = model.forward_full(m.params, jnp.asarray([tokens]), config)[0][0, -1]
+      want = testing.full_logits(m, [tokens])[0, -1]
       np.testing.assert_allclose(logits[b, i], want, atol=2e-5, rtol=2e-5)
 
 
@@ -80,7 +80,7 @@ def test_compacted_cache_equals_a_prefill_of_the_accepted_text():
                                  testing.TINY)
     for b, prompt in enumerate(prompts):
       text = prompt[:-1] + [int(chunk[b, j]) for j in dict.fromkeys(paths[b])] + [30 + b]
-      want = model.forward_full(m.params, jnp.asarray([text]), testing.TINY)[0][0, -1]
+      want = testing.full_logits(m, [text])[0, -1]
       np.testing.assert_allclose(logits[b, 0], want, atol=2e-5, rtol=2e-5)
 
 
