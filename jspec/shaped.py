@@ -39,13 +39,14 @@ def _one_layer(decoder: Decoder) -> Decoder:
   return decoder
 
 
-def compiled_workspace(decoder: Decoder, batch: int, prompt_width: int, capacity: int) -> int | None:
+def compiled_workspace(decoder: Decoder, batch: int, prompt_width: int, capacity: int,
+                       compiler_options: dict | None = None) -> int | None:
   """The decode program's temporaries beyond its caches, from XLA's `memory_analysis()` of the program with
-  one layer per model (compiled for the abstract shapes; nothing allocated). None where the backend does
-  not say."""
+  one layer per model (compiled for the abstract shapes, with these XLA options; nothing allocated). None
+  where the backend does not say."""
   small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), _one_layer(decoder.replace(layout=None)))
   requests = memory.abstract_requests(small, batch, prompt_width, capacity)
-  analysis = programs.lower(small, requests).compile().memory_analysis()
+  analysis = programs.lower(small, requests).compile(compiler_options=compiler_options).memory_analysis()
   if analysis is None or not getattr(analysis, "temp_size_in_bytes", 0):
     return None
   state = jax.eval_shape(decode.init_state, small, requests)

@@ -24,6 +24,9 @@ TINY_DRAFT = dataclasses.replace(TINY, dim=32, n_layers=1, n_heads=2, n_kv_heads
 NO_EOS = dataclasses.replace(TINY, eos_id=None)  # every row decodes all its new tokens
 SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=16, eos_id=None)  # drafts are often right by chance
 KINDS = registry.kinds()
+# The XLA options the tests' fast compile (tests/conftest.py) changes, as users compile: for the checks that
+# read a compiled program itself (its HLO, its memory), so that they check the programs users run.
+AS_USERS_COMPILE = {"xla_cpu_use_fusion_emitters": True}
 
 
 def fixed_k(draft_len: int = 4, **kw) -> SpecConfig:
@@ -163,7 +166,7 @@ def exact_two_token_law(m: Model, prompt: list[int], temperature: float, top_k: 
   full = lambda batch: sampling.SamplingParams(jnp.full((batch,), temperature, jnp.float32),
                                                jnp.full((batch,), top_k, jnp.int32),
                                                jnp.full((batch,), top_p, jnp.float32))
-  logits = np.asarray(model.forward_full(m.params, np.asarray([prompt + [a] for a in range(vocab)]), m.config)[0])
+  logits = full_logits(m, [prompt + [a] for a in range(vocab)])
   first_logits, second_logits = logits[:1, len(prompt) - 1:len(prompt)], logits[:, len(prompt):len(prompt) + 1]
   if allowed is not None:
     first_logits = np.where(allowed([]), first_logits, -np.inf)

@@ -149,7 +149,7 @@ def test_adaptive_greedy_equals_plain_decoding(pair, drafter, threshold, draft_l
 
 def test_no_retrace_as_k_changes_at_run_time(pair):
   target, draft = pair
-  kw = dict(draft=draft, draft_len=4,
+  kw = dict(draft=draft, draft_len=3,
             spec=SpecConfig(adaptive=AdaptiveConfig(fallback_threshold=0.5, probe_interval=2)))
   jspec.generate(target, [[1, 2]], max_new_tokens=30, **kw)
   before = dict(decode.trace_counts)

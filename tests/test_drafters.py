@@ -146,6 +146,7 @@ def test_bad_drafter_requests_are_one_line_errors(target):
     jspec.generate(wide, [[1]], draft=make_draft("eagle", target))
 
 
+@pytest.mark.slow  # the shipped checkpoints, end to end
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_drafters_match_plain_decoding_on_the_small_shipped_target(kind):
   target = jspec.load("code-small")  # a shipped pair's name loads its target, as --target does

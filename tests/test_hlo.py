@@ -10,6 +10,8 @@ from jspec.decoder import Decoder
 from jspec.request import make_batch
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
 
+pytestmark = pytest.mark.slow  # programs compiled as users compile them
+
 CONFIG = testing.NO_EOS
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 
@@ -40,8 +42,13 @@ def _decoder_and_requests(batch, kind, capacity=512):
   return decoder, make_batch(decoder, [[0, 0, 0]] * batch, 8, capacity_slots=capacity)
 
 
+def as_users_compile(lowered) -> str:
+  """The optimized HLO of a lowered program as users compile it (not with the tests' fast-compile options)."""
+  return lowered.compile(compiler_options=testing.AS_USERS_COMPILE).as_text()
+
+
 def _hlo(batch, kind, capacity=512):
-  return programs.lower(*_decoder_and_requests(batch, kind, capacity)).compile().as_text()
+  return as_users_compile(programs.lower(*_decoder_and_requests(batch, kind, capacity)))
 
 
 @pytest.mark.parametrize("batch,kind", [
@@ -65,7 +72,7 @@ def test_constraint_tables_are_not_copied_in_the_loop():
   tables = constraints.compile(jspec.Regex("[a-z]{1,40}"), vocabulary)
   requests = make_batch(decoder, [[0, 0, 0]] * 4, 8, capacity_slots=512, constraints=[tables] * 4,
                            constraint_shape=(128, 24))
-  text = programs.lower(decoder, requests).compile().as_text()
+  text = as_users_compile(programs.lower(decoder, requests))
   assert testing.loop_cache_copies(text, 4 * 128 * 24) == []
 
 
@@ -78,12 +85,12 @@ def test_segments_update_the_donated_state_in_place():
   decoder, requests = _decoder_and_requests(batch, "model", capacity)
   state = programs.start(decoder, requests)
   for width in (batch, 2):  # the whole batch, and the narrower program a few busy rows run
-    segment = programs.resume_rows.lower(decoder, state, jnp.int32(8), jnp.asarray(True), jnp.zeros(batch, bool),
-                                       width=width).compile().as_text()
+    segment = as_users_compile(programs.resume_rows.lower(decoder, state, jnp.int32(8), jnp.asarray(True),
+                                                          jnp.zeros(batch, bool), width=width))
     for config in (CONFIG, DRAFT):
       assert testing.loop_cache_copies(segment, width * config.n_kv_heads * capacity * config.head_dim) == []
   one = jax.tree.map(lambda x: x[:1], requests)
-  insert = programs.insert.lower(decoder, state, one, jnp.int32(2)).compile().as_text()
+  insert = as_users_compile(programs.insert.lower(decoder, state, one, jnp.int32(2)))
   assert "input_output_alias" in insert.splitlines()[0]
 
 
@@ -99,6 +106,6 @@ def test_detector_finds_a_copy():
         k_BxTxKxDh, jnp.full((1,), i))
     s = jnp.einsum("bqhd,bthd->bhqt", jnp.ones((1, 1, 2, 16)), k_BxTxKxDh)
     return i + 1, k_BxTxKxDh + s.sum() * 0
-  text = jax.jit(lambda k: lax.while_loop(lambda c: c[0] < 10, step, (0, k))).lower(
-      jnp.zeros((1, 512, 2, 16))).compile().as_text()
+  text = as_users_compile(jax.jit(lambda k: lax.while_loop(lambda c: c[0] < 10, step, (0, k))).lower(
+      jnp.zeros((1, 512, 2, 16))))
   assert testing.loop_cache_copies(text, 512 * 2 * 16)

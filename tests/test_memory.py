@@ -106,6 +106,7 @@ def test_the_largest_batch_and_context_are_the_edge_of_what_fits():
   assert fits(small.max_context) and not fits(small.max_context + 1)
 
 
+@pytest.mark.slow  # compiled as users compile
 def test_the_estimated_workspace_bounds_the_compiled_one():
   """What the refusal assumes without compiling is at least what XLA reports for the program, long prompts
   included, for a draft model and a head drafter."""
@@ -114,7 +115,7 @@ def test_the_estimated_workspace_bounds_the_compiled_one():
     draft = testing.random_draft(kind, target)
     decoder = make_decoder(target, draft, SpecConfig(drafter=kind, adaptive=None), 2)
     for width, capacity in [(16, 256), (768, 1024)]:
-      measured = shaped.compiled_workspace(decoder, 2, width, capacity)
+      measured = shaped.compiled_workspace(decoder, 2, width, capacity, testing.AS_USERS_COMPILE)
       assert measured is not None and 0 < measured <= memory.estimated_workspace(decoder, 2, width)
 
 

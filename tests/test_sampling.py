@@ -39,7 +39,8 @@ def test_first_two_tokens_match_the_exact_distribution(pair, sp, draft_len):
   # The test can fail: the draft's own distribution is far outside the bound.
   assert 0.5 * np.abs(exact_joint(draft, sp) - exact_joint(target, sp)).sum() > 3 * testing.tv_bound(
       exact_joint(target, sp), N)
-  kw = dict(draft=draft, draft_len=draft_len) if draft_len else {}
+  # K every round: adaptive K's law is test_adaptive_speculation_with_fallback_keeps_the_exact_distribution.
+  kw = dict(draft=draft, draft_len=draft_len, spec=SpecConfig(adaptive=None)) if draft_len else {}
   tv, bound, stats = _empirical_tv(target, PROMPT, sp, **kw)
   assert tv < bound, (tv, bound)
   if draft_len:
@@ -123,7 +124,8 @@ def test_argmax_is_jnp_argmax_with_ties_and_infinities():
 
 def test_typical_acceptance_is_labelled_lossy_and_keeps_greedy_output(pair):
   target, draft = pair
-  greedy = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12)
+  greedy = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12,
+                          spec=SpecConfig(adaptive=None))
   typical = jspec.generate(target, [PROMPT] * 4, draft=draft, draft_len=3, max_new_tokens=12,
                            spec=SpecConfig(typical_acceptance=True, adaptive=None))
   assert typical.token_ids == greedy.token_ids
