@@ -236,11 +236,9 @@ def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
   return bad
 
 
-def loop_collectives(hlo_text: str, scope: str | None = None) -> dict[str, int]:
-  """Counts of all-reduce and all-gather instructions that a compiled program runs inside its while loops
-  (loop bodies and everything they call, branches of conditionals included): one decode round's traffic.
-  With `scope`, only those traced under `jax.named_scope(scope)` (for example "drafter")."""
-  computations = _computations(hlo_text)
+def _in_loops(computations: dict[str, list[str]], hlo_text: str) -> set[str]:
+  """The computations a compiled program runs inside its while loops: the loop bodies and everything they
+  call, branches of conditionals included."""
   todo = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
   seen = set()
   while todo:
@@ -253,8 +251,32 @@ def loop_collectives(hlo_text: str, scope: str | None = None) -> dict[str, int]:
       for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
         refs += re.findall(r"%([\w.\-]+)", group)
       todo.update(refs)
+  return seen
+
+
+def loop_weight_copies(hlo_text: str, weights) -> list[str]:
+  """Instructions run inside the while loops that copy or transpose an array shaped as one of `weights`'
+  matrices (or as its transpose). Weights do not change in the loop, so such a copy is paid every round
+  for nothing (a tied LM head read as `embed.T`, say)."""
+  shapes = {tuple(np.shape(w)) for w in jax.tree.leaves(weights) if np.ndim(w) >= 2}
+  shapes |= {s[::-1] for s in shapes}
+  computations = _computations(hlo_text)
+  bad = []
+  for comp in _in_loops(computations, hlo_text):
+    for line in computations.get(comp, []):
+      m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = \w+\[([\d,]*)\]\S* (copy|transpose)\(", line)
+      if m and tuple(int(d) for d in m.group(1).split(",") if d) in shapes:
+        bad.append(line.strip()[:160])
+  return bad
+
+
+def loop_collectives(hlo_text: str, scope: str | None = None) -> dict[str, int]:
+  """Counts of all-reduce and all-gather instructions that a compiled program runs inside its while loops
+  (`_in_loops`): one decode round's traffic. With `scope`, only those traced under
+  `jax.named_scope(scope)` (for example "drafter")."""
+  computations = _computations(hlo_text)
   counts = {"all-reduce": 0, "all-gather": 0}
-  for comp in seen:
+  for comp in _in_loops(computations, hlo_text):
     for line in computations.get(comp, []):
       for op in counts:
         if re.search(rf"= \S+ {op}(-start)?\(", line) and (scope is None or f"/{scope}/" in line):
