@@ -43,7 +43,8 @@ def timed_loop(step: Callable[[jax.Array, Any], tuple[Any, jax.Array]], carry: A
       carry, total = c
       carry, value = step(i, carry)
       return carry, total + value.astype(jnp.float32)
-    return lax.fori_loop(0, steps, body, (carry, jnp.zeros((), jnp.float32)))
+    carry, total = lax.fori_loop(0, steps, body, (carry, jnp.zeros((), jnp.float32)))
+    return carry if donate else None, total  # a carry not handed back is never written out
 
   held = [carry]
 
