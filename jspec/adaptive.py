@@ -12,14 +12,15 @@ the one estimate outweighs the prior (every round ages every position). A positi
 outweighs the prior ten to one.
 The batch shares one target forward, so the policy is per batch:
 
-- K: the one that maximizes the mean over active rows of the expected speedup
-  E[tokens | K] / (1 + o + K (c + v)), with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (alpha where
-  position i has no data yet). c is the drafter's cost ratio, v what each extra verified token adds to the
-  target forward, and o what a speculative round costs beyond its forwards (verification, bookkeeping,
-  the draft's catch-up), all in target steps at the batch's size (`CostModel.for_batch`). With r_i =
-  alpha and o = v = 0 this is Leviathan's (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on a CPU o and v
-  are far from 0 (a verify of a few tokens costs well over one step: docs/cpu-performance.md), and
-  ignoring them picks drafts of the wrong length. `initial_draft_len` until any row has data.
+- K: the one that maximizes the mean over active rows of the expected speedup E[tokens | K] / cost(K),
+  with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (alpha where position i has no data yet) and cost(K)
+  what a round of K drafts costs in target steps at the batch's size (`CostModel.round_cost`): as
+  measured by `python -m jspec.calibrate`, else 1 + o + K (c + v), where c is the drafter's cost ratio,
+  v what each extra verified token adds to the target forward, and o what a speculative round costs
+  beyond its forwards (verification, bookkeeping, the draft's catch-up). With r_i = alpha and o = v = 0
+  this is Leviathan's (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on a CPU a round is far from that line
+  (a verify of a few tokens costs well over one step: docs/cpu-performance.md), and ignoring it picks
+  drafts of the wrong length. `initial_draft_len` until any row has data.
 - Stepping aside: a plain step whatever the acceptance when no running row speculates (a request may turn
   speculation off), or when `disable_at_rows` rows or more run. The fallback below also takes plain steps
   when no K would beat a plain step even at full acceptance, at the costs for the batch's width (a
@@ -102,19 +103,18 @@ class Acceptance:
     return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
 
 
-def round_cost(draft_len, cost_ratio: float, verify_cost: float = 0.0, round_overhead: float = 0.0):
-  """What a speculative round of `draft_len` proposals costs, in target steps: 1 + o + K (c + v)."""
-  return 1 + round_overhead + draft_len * (cost_ratio + verify_cost)
+def linear_round_costs(max_draft_len: int, cost_ratio: float, verify_cost: float = 0.0,
+                       round_overhead: float = 0.0) -> tuple[float, ...]:
+  """Rounds of K = 1..max_draft_len drafts in target steps by the line 1 + o + K (c + v)."""
+  return tuple(1 + round_overhead + k * (cost_ratio + verify_cost) for k in range(1, max_draft_len + 1))
 
 
-def expected_speedup(rates_BxK: jax.Array, cost_ratio: float, verify_cost: float = 0.0,
-                     round_overhead: float = 0.0) -> jax.Array:
-  """[B, K]: the expected speedup of drafting k = 1..K tokens, from per-position acceptance rates r_1..r_K,
-  a round costing 1 + o + k (c + v) target steps. With every r_i = alpha and o = v = 0 it is Leviathan et
-  al.'s."""
+def expected_speedup(rates_BxK: jax.Array, round_costs_K) -> jax.Array:
+  """[B, K]: the expected speedup of drafting k = 1..K tokens, from per-position acceptance rates r_1..r_K
+  and what a round of k drafts costs in target steps. With every r_i = alpha and rounds of 1 + K c it is
+  Leviathan et al.'s."""
   tokens_BxK = 1 + jnp.cumsum(jnp.cumprod(jnp.clip(rates_BxK, 0.0, 1.0), axis=-1), axis=-1)
-  ks = jnp.arange(1, rates_BxK.shape[-1] + 1)
-  return tokens_BxK / round_cost(ks, cost_ratio, verify_cost, round_overhead)
+  return tokens_BxK / jnp.asarray(round_costs_K, jnp.float32)
 
 
 def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
@@ -124,16 +124,17 @@ def _masked_mean(x_B: jax.Array, mask_B: jax.Array) -> jax.Array:
 def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig, max_draft_len: int,
            speculating_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Returns (draft_len, probe): draft_len 0 means a plain target step. `policy` has its cost model set
-  (`AdaptiveConfig.with_costs`); its costs are those at the batch's width (every row, done or not, rides
+  (`AdaptiveConfig.with_costs`, for drafts of up to `max_draft_len`; without `costs_by_rows` its c, v and
+  o give the line); its costs are those at the batch's width (every row, done or not, rides
   in the verify); acceptance is read from the active rows that speculate (`speculating_B`, default all)."""
   rows = active_B.sum()
-  costs = policy.costs_by_rows or (policy.cost.as_tuple(),)
-  c, v, o = costs[min(active_B.shape[0], len(costs)) - 1]
+  costs = policy.costs_by_rows or (linear_round_costs(max_draft_len, *policy.cost.as_tuple()),)
+  round_costs_K = costs[min(active_B.shape[0], len(costs)) - 1]
   active_B = active_B if speculating_B is None else active_B & speculating_B
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)
   rates_BxK = acceptance.position_rates(jnp.nan_to_num(alpha_B))
-  gain_BxK = expected_speedup(rates_BxK, c, v, o)
+  gain_BxK = expected_speedup(rates_BxK, round_costs_K)
   gain_K = _masked_mean(gain_BxK.T, has_data[None, :])
   best = jnp.where(has_data.any(), 1 + jnp.argmax(gain_K), min(policy.initial_draft_len, max_draft_len))
 
@@ -142,7 +143,7 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig, 
   low = _masked_mean(jnp.nan_to_num(window_B), windowed) < policy.fallback_threshold
   # Or whatever the acceptance, when no K would pay even if every proposal were accepted (a loaded batch,
   # whose verify costs more than it gains).
-  ceiling = jnp.max(expected_speedup(jnp.ones((1, max_draft_len)), c, v, o))
+  ceiling = jnp.max(expected_speedup(jnp.ones((1, max_draft_len)), round_costs_K))
   fallback = (policy.fallback_threshold > 0) & ((windowed.any() & (low | (jnp.max(gain_K) < 1))) | (ceiling < 1))
   # Stepping aside: no running row speculates, or too many rows run.
   disabled = policy.disable_at_rows is not None and rows >= (policy.disable_at_rows or 0)

@@ -11,6 +11,7 @@ import json
 import sys
 
 from jspec import flags, shipped
+from jspec.settings import SpecConfig
 
 EXAMPLES = """examples:
   python -m jspec.calibrate                                  # the shipped pair's EAGLE head, batch 1
@@ -27,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
   flags.add_model_args(p)
   p.add_argument("--batches", default="1", metavar="B,B",
                  help="batch sizes to measure at (batch 1 always)")
-  p.add_argument("--draft-len", type=int, default=4, metavar="K", help="the draft length rounds are timed at")
+  p.add_argument("--draft-len", type=int, default=SpecConfig().draft_len, metavar="K",
+                 help="the longest draft whose round is timed (every K up to it is): the --draft-len you decode with")
   p.add_argument("--repeats", type=int, default=5, metavar="N", help="interleaved timings per figure (medians)")
   p.add_argument("--write", action="store_true",
                  help="also store the figures in the drafter's checkpoint (n-gram's: the target's), as the shipped "
@@ -95,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = {1: figures, **{int(b): c for b, c in figures.get("batches", {}).items()}}
     print(f"{figures['drafter']} drafter on {figures['device_kind']} ({figures['backend']}):")
     for b, c in rows.items():
-      print(f"  batch {b:>3}: c {c['cost_ratio']:.3f}  v {c['verify_cost']:.3f}  o {c['round_overhead']:.3f}")
+      rounds = " ".join(f"{x:.2f}" for x in c.get("round_costs", []))
+      print(f"  batch {b:>3}: c {c['cost_ratio']:.3f}  v {c['verify_cost']:.3f}  o {c['round_overhead']:.3f}  "
+            f"rounds of K = 1..{len(c.get('round_costs', []))}: {rounds}")
     print(f"stored in {where}")
   return 0
 

@@ -3,8 +3,9 @@
 
 c: what one more drafted token costs, over one target step; v: what each extra verified token adds to a
 target forward; o: what a speculative round of K drafts costs beyond 1 + K (c + v) target steps (the
-drafter's per-round work included; `jspec.adaptive`). Each is a ratio of interleaved medians of jitted
-loops of 32 steps over the same decode state, at each batch asked.
+drafter's per-round work included; `jspec.adaptive`); and whole rounds of every K up to the longest
+draft, which adaptive speculation reads first (`CostModel.round_costs`). Each is a ratio of interleaved
+medians of jitted loops of 32 steps over the same decode state, at each batch asked.
 """
 from __future__ import annotations
 
@@ -125,11 +126,16 @@ def verify_ratio(target, batch: int, k: int, repeats: int, used: int = USED) -> 
   return t["wide"] / t["one"]
 
 
-def round_ratio(target, draft, kind: str, draft_len: int, repeats: int, batch: int = 1) -> float:
-  """A speculative round of `draft_len` drafts over a plain step, greedy, from the same decode state, each
-  32 times in a jitted loop: 1 + o + K (c + v) in the cost model's terms."""
-  t = interleaved(round_and_step(*started(target, draft, kind, draft_len, batch)), repeats)
-  return t["round"] / t["step"]
+def round_ratios(target, draft, kind: str, draft_lens, repeats: int, batch: int = 1) -> dict[int, float]:
+  """A speculative round of each of `draft_lens` drafts over a plain step, greedy, from the same prompt,
+  each 32 times in a jitted loop, all interleaved: `CostModel.round_costs`, and 1 + o + K (c + v) in the
+  line's terms."""
+  loops = {}
+  for k in draft_lens:
+    both = round_and_step(*started(target, draft, kind, k, batch))
+    loops[k], loops["step"] = both["round"], both["step"]
+  t = interleaved(loops, repeats)
+  return {k: t[k] / t["step"] for k in draft_lens}
 
 
 def round_and_step(decoder, state, steps: int = STEPS) -> dict[str, Callable[[], None]]:
@@ -145,13 +151,16 @@ def round_and_step(decoder, state, steps: int = STEPS) -> dict[str, Callable[[],
 def measure(target, draft, kind: str, batches: list[int] | tuple[int, ...] = (1,), repeats: int = 5,
             draft_len: int = 4) -> CostModel:
   """The cost model of `target` with this drafter on the default devices: batch 1's figures, the others as
-  its `batches`, with the target's size and the backend and device kind they were measured on."""
+  its `batches`, with the target's size and the backend and device kind they were measured on. Rounds of
+  every K up to `draft_len` are timed (`round_costs`); v and o are read at `draft_len`."""
   measured = {}
   for b in sorted({1, *batches}):
     c = drafter_cost_ratio(target, draft, kind, repeats, batch=b)
     v = (verify_ratio(target, b, draft_len, repeats) - 1) / draft_len
-    o = round_ratio(target, draft, kind, draft_len, repeats, batch=b) - 1 - draft_len * (c + v)
-    measured[b] = CostModel(round(c, 4), round(max(v, 0.0), 4), round(max(o, 0.0), 4))
+    rounds = round_ratios(target, draft, kind, range(1, draft_len + 1), repeats, batch=b)
+    o = rounds[draft_len] - 1 - draft_len * (c + v)
+    measured[b] = CostModel(round(c, 4), round(max(v, 0.0), 4), round(max(o, 0.0), 4),
+                            round_costs=tuple(round(max(rounds[k], 1.0), 4) for k in sorted(rounds)))
   backend, kind_of_device = costs.device_kind()
   return dataclasses.replace(measured[1], target_params=num_params(target.config), backend=backend,
                              device_kind=kind_of_device,

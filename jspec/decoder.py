@@ -113,7 +113,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     policy = None
     drafter = drafter.with_max_lag(spec.draft_len)  # a cache may trail the text by the accepted path
   if policy is not None:
-    policy = dataclasses.replace(policy.with_costs(measured, batch), disable_at_rows=disable_at,
+    policy = dataclasses.replace(policy.with_costs(measured, batch, spec.draft_len), disable_at_rows=disable_at,
                                  cost_source=source)
     if drafter.lags_plain_steps:  # plain steps leave it behind, by up to a probe interval (`jspec.adaptive`)
       longest = drafter.context_len or target.config.max_seq_len  # and never by more than a text it holds

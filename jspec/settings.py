@@ -81,9 +81,14 @@ class CostModel:
   `tree_top_k` and `tree_nodes`: the fastest tree shape measured for the drafter (`--suite tree --write`),
   what `TreeConfig()` uses with it.
 
-  c, v and o are measured at batch 1; `batches` holds them measured at larger batches, as
-  ((batch, CostModel), ...) (in JSON, {"4": {"cost_ratio": ...}}): a batched verify of K+1 tokens a row
-  costs more steps than one row's (`for_batch`).
+  `round_costs`: whole rounds of K = 1, 2, ... drafts measured in target steps, as the loop runs them
+  (`calibrate` times every K up to its `--draft-len`). A round's cost is not linear in K (a verify of 2
+  tokens may cost much more than 1 + v, of 8 less than 1 + 7 v), so what was measured wins over
+  1 + o + K (c + v) (`round_cost`); past the longest measured K the line continues from it.
+
+  c, v, o and the round costs are measured at batch 1; `batches` holds them measured at larger batches,
+  as ((batch, CostModel), ...) (in JSON, {"4": {"cost_ratio": ...}}): a batched verify of K+1 tokens a
+  row costs more steps than one row's (`for_batch`).
   """
   cost_ratio: float
   verify_cost: float = 0.0
@@ -94,8 +99,12 @@ class CostModel:
   tree_top_k: int | None = None
   tree_nodes: int | None = None
   batches: tuple[tuple[int, CostModel], ...] = ()
+  round_costs: tuple[float, ...] = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "round_costs", tuple(self.round_costs))  # a list, as read from JSON
+    _check(len(self.round_costs) <= MAX_DRAFT_LEN and all(_is_real(x) and x >= 1 for x in self.round_costs),
+           f"round_costs must be at most {MAX_DRAFT_LEN} numbers >= 1 (target steps), got {self.round_costs}")
     if isinstance(self.batches, dict):  # as read from JSON
       object.__setattr__(self, "batches", tuple(sorted(
           (int(b), c if isinstance(c, CostModel) else CostModel(**c)) for b, c in self.batches.items())))
@@ -114,6 +123,14 @@ class CostModel:
   def as_tuple(self) -> tuple[float, float, float]:
     return self.cost_ratio, self.verify_cost, self.round_overhead
 
+  def round_cost(self, draft_len: int) -> float:
+    """A round of `draft_len` drafts in target steps: as measured, else 1 + o + K (c + v), continued
+    past the longest measured K by c + v per draft."""
+    measured = self.round_costs[:draft_len]
+    if not measured:
+      return 1 + self.round_overhead + draft_len * (self.cost_ratio + self.verify_cost)
+    return measured[-1] + (draft_len - len(measured)) * (self.cost_ratio + self.verify_cost)
+
   def for_batch(self, batch: int) -> CostModel:
     """The cost model measured at the largest batch up to `batch`."""
     return next((c for b, c in reversed(self.batches) if b <= batch), self)
@@ -121,7 +138,9 @@ class CostModel:
   def to_json(self) -> dict:
     """The fields that differ from their defaults, `batches` keyed by batch size."""
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batches"}
-    out = {k: v for k, v in fields.items() if v is not None}
+    out = {k: v for k, v in fields.items() if v is not None and v != ()}
+    if self.round_costs:
+      out["round_costs"] = list(self.round_costs)
     if self.batches:
       out["batches"] = {str(b): c.to_json() for b, c in self.batches}
     return out
@@ -140,9 +159,10 @@ class AdaptiveConfig:
   the loop from carried acceptance statistics (see `jspec.adaptive`).
 
   The cost model's fields left None come from the drafter's measured cost model, when its checkpoint has
-  one for this target, else from `CostModel.neutral`. `with_costs` sets them, and `costs_by_rows`: the
-  costs at each batch width, since a batched verify costs more target steps than one row's; a program
-  reads those of its own width (the serving engine runs narrower programs when fewer rows are busy).
+  one for this target, else from `CostModel.neutral`. `with_costs` sets them, and `costs_by_rows`: what a
+  round of K = 1..K_max costs at each batch width (`CostModel.round_cost`; from c, v and o alone when any
+  of them is set here), since a batched verify costs more target steps than one row's; a program reads
+  those of its own width (the serving engine runs narrower programs when fewer rows are busy).
   `disable_at_rows`: plain steps while at least this many rows run (vLLM's disable-by-batch-size).
   """
   cost_ratio: float | None = None
@@ -154,7 +174,7 @@ class AdaptiveConfig:
   probe_interval: int = 16  # plain steps between speculative probes during fallback
   window: int = 8  # W: speculative rounds in the rolling acceptance window
   initial_draft_len: int = 4  # K until any row has data
-  costs_by_rows: tuple[tuple[float, float, float], ...] = ()  # (c, v, o) for batches of 1, 2, ... rows
+  costs_by_rows: tuple[tuple[float, ...], ...] = ()  # rounds of K = 1..K_max, for batches of 1, 2, ... rows
   disable_at_rows: int | None = None
   cost_source: str | None = None  # where the cost model came from (`jspec.costs.SOURCES`)
 
@@ -173,14 +193,17 @@ class AdaptiveConfig:
     """The cost model, once every field is set (`with_costs`)."""
     return CostModel(self.cost_ratio, self.verify_cost, self.round_overhead)
 
-  def with_costs(self, measured: CostModel, batch: int = 1) -> AdaptiveConfig:
-    """This policy for up to `batch` rows, its unset cost fields taken from `measured` at each number of
-    rows (`CostModel.for_batch`); the fields themselves hold the costs at `batch` rows."""
-    def costs(rows: int) -> tuple[float, float, float]:
-      at = measured.for_batch(rows)
-      return tuple(getattr(self, n) if getattr(self, n) is not None else getattr(at, n) for n in COST_FIELDS)
-    by_rows = tuple(costs(rows) for rows in range(1, batch + 1))
-    return dataclasses.replace(self, **dict(zip(COST_FIELDS, by_rows[-1])), costs_by_rows=by_rows)
+  def with_costs(self, measured: CostModel, batch: int = 1, max_draft_len: int = 4) -> AdaptiveConfig:
+    """This policy for up to `batch` rows and drafts of up to `max_draft_len`, its unset cost fields taken
+    from `measured` at each number of rows (`CostModel.for_batch`); the fields themselves hold c, v and o
+    at `batch` rows. Cost fields set here replace the measured rounds with the line they give."""
+    mine = {n: getattr(self, n) for n in COST_FIELDS if getattr(self, n) is not None}
+
+    def at(rows: int) -> CostModel:
+      figures = measured.for_batch(rows)
+      return dataclasses.replace(figures, **mine, round_costs=() if mine else figures.round_costs)
+    by_rows = tuple(tuple(at(rows).round_cost(k) for k in range(1, max_draft_len + 1)) for rows in range(1, batch + 1))
+    return dataclasses.replace(self, **dict(zip(COST_FIELDS, at(batch).as_tuple())), costs_by_rows=by_rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,7 +106,8 @@ class Stats:
   acceptance_window: float | None
   adaptive: bool
   # Adaptive K's cost model: {"source": "calibrated" | "checkpoint" | "neutral", "cost_ratio", "verify_cost",
-  # "round_overhead"} (at the batch's width; `jspec.calibration`); None without adaptive K.
+  # "round_overhead", "round_costs": a round of K = 1, 2, ... in target steps} (at the batch's width;
+  # `jspec.calibration`); None without adaptive K.
   cost_model: dict[str, Any] | None
   tree: dict[str, int] | None  # the draft tree's depth, top_k and nodes; None: chains
   draft_len_counts: dict[int, int]  # batched rounds per scheduled K; 0: an adaptive plain step
@@ -183,7 +184,8 @@ def _cost_model(spec: SpecConfig | None) -> dict[str, Any] | None:
   policy = spec and spec.adaptive
   if not policy:
     return None
-  return {"source": policy.cost_source, **{name: getattr(policy, name) for name in COST_FIELDS}}
+  return {"source": policy.cost_source, **{name: getattr(policy, name) for name in COST_FIELDS},
+          "round_costs": list(policy.costs_by_rows[-1]) if policy.costs_by_rows else None}
 
 
 def _mean_finite(x: np.ndarray) -> float | None:

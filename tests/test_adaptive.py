@@ -1,5 +1,6 @@
 """Adaptive speculation: the decisions from synthetic statistics, and losslessness and no retrace with it on."""
 import dataclasses
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -61,8 +62,28 @@ def test_draft_len_follows_the_expected_speedup():
   assert choose(mixed, policy=dataclasses.replace(costly, round_overhead=2.0, fallback_threshold=0.0))[0] == 6
   # Leviathan's formula is the special case r_i = alpha.
   alpha, c = 0.7, 0.1
-  np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), c)[0],
+  np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), adaptive.linear_round_costs(5, c))[0],
                              [(1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) for k in range(1, 6)], rtol=1e-5)
+
+
+def test_measured_rounds_win_over_the_line():
+  """Rounds as calibrated (`CostModel.round_costs`) set K, not 1 + o + K (c + v): a round of 6 measured
+  nearly as cheap as one of 4 (a verify's cost is not linear in its width) lengthens the draft, and the
+  line continues past the longest measured K."""
+  measured = CostModel(0.1, 0.15, 0.3, round_costs=(1.4, 1.7, 2.0, 2.3, 2.35, 2.4))
+  assert [measured.round_cost(k) for k in (1, 6, 8)] == [1.4, 2.4, pytest.approx(2.9)]
+  assert CostModel(0.1, 0.15, 0.3).round_cost(4) == pytest.approx(2.3)
+  policy = dataclasses.replace(POLICY, cost_ratio=None, verify_cost=None, round_overhead=None)
+  acc = stats_with([([5], 8), ([6], 8), ([4], 8)] * 10)  # rounds that accept 4 to 6 of 8
+  line = policy.with_costs(dataclasses.replace(measured, round_costs=()), 1, 8)
+  rounds = policy.with_costs(measured, 1, 8)
+  assert rounds.costs_by_rows == ((1.4, 1.7, 2.0, 2.3, 2.35, 2.4, pytest.approx(2.65), pytest.approx(2.9)),)
+  rates = np.asarray(acc.position_rates(acc.ewma_rate)[0])
+  best = lambda p: 1 + int(np.argmax((1 + np.cumsum(np.cumprod(rates))) / np.asarray(p.costs_by_rows[0])))
+  assert [choose(acc, policy=p)[0] for p in (line, rounds)] == [best(line), best(rounds)] == [5, 6]
+  # A cost field set in the policy replaces the measured rounds with its line.
+  assert dataclasses.replace(policy, verify_cost=0.15).with_costs(measured, 1, 8).costs_by_rows == line.costs_by_rows
+  assert CostModel(**json.loads(json.dumps(measured.to_json()))) == measured
 
 
 def test_one_early_rejection_does_not_pin_the_draft_short():
@@ -162,8 +183,7 @@ def test_no_retrace_as_k_changes_at_run_time(pair):
   assert len(seen) >= 3  # K really changed inside the compiled loop
   assert dict(decode.trace_counts) == before
   # Rounds priced at a cost model of free drafts and verifies: one target step each, so τ.
-  free = dataclasses.replace(r.stats, cost_model=dict(r.stats.cost_model, cost_ratio=0.0, verify_cost=0.0,
-                                                        round_overhead=0.0))
+  free = dataclasses.replace(r.stats, cost_model=dict(r.stats.cost_model, round_costs=[1.0] * 8))
   assert end_to_end.priced_speedup(free) == pytest.approx(r.stats.mean_accepted_length)
   assert end_to_end.priced_speedup(r.stats) < r.stats.mean_accepted_length  # drafts cost c = 0.1 each
 
@@ -199,7 +219,7 @@ def test_a_loaded_batch_steps_aside_when_its_verify_cannot_pay(pair):
   draft = dataclasses.replace(draft, cost_models={"model": measured})
   spec = SpecConfig(draft_len=2)
   policy = make_decoder(target, draft, spec, 4).spec.adaptive
-  assert policy.costs_by_rows == ((0.1, 0.05, 0.2),) * 3 + ((0.5, 0.6, 1.0),)
+  assert policy.costs_by_rows == (pytest.approx((1.35, 1.5)),) * 3 + (pytest.approx((3.1, 4.2)),)
   # Four rows decode plainly; once the last two have ended, the first two run at width 2, and speculate.
   engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=64)
   for i, n in enumerate([24, 24, 4, 4]):

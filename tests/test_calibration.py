@@ -54,7 +54,7 @@ def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_s
   assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.25, 0.0, 0.5), "calibrated")
   stats = jspec.generate(target, [[1, 2]], draft=here, max_new_tokens=4, draft_len=2).stats.to_dict()
   assert stats["cost_model"] == {"source": "calibrated", "cost_ratio": 0.25, "verify_cost": 0.0,
-                                 "round_overhead": 0.5}
+                                 "round_overhead": 0.5, "round_costs": [1.75, 2.0]}
   assert jspec.generate(target, [[1, 2]], max_new_tokens=4).stats.cost_model is None  # plain decoding
 
 
@@ -77,12 +77,14 @@ def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys, 
                          "--json"]) == 0
   figures = json.loads(capsys.readouterr().out)
   assert figures["drafter"] == "model" and figures["cost_ratio"] >= 0 and "batches" not in figures
+  assert len(figures["round_costs"]) == 2 and min(figures["round_costs"]) >= 1  # rounds of K = 1 and 2
   assert figures["backend"] == jax.default_backend()
   assert checkpoint.read_cost_models(tmp_path / "draft")["model"].cost_ratio == figures["cost_ratio"]
   assert cli.main([*models, *run]) == 0
   captured = capsys.readouterr()
   cost = json.loads(captured.out)["stats"]["cost_model"]
   assert cost["source"] == "calibrated" and cost["cost_ratio"] == figures["cost_ratio"]
+  assert cost["round_costs"] == figures["round_costs"]
   assert "jspec.calibrate" not in captured.err
   # Elsewhere (another cache: another machine), the checkpoint's figures are used, and the note says so.
   monkeypatch.setenv("JSPEC_CALIBRATION_DIR", str(tmp_path / "elsewhere"))
@@ -102,9 +104,9 @@ def test_the_server_calibrates_at_start_up_once(monkeypatch):
   target, draft = testing.random_pair()
   models = dict(draft=draft, spec=SpecConfig(drafter="model"), mesh=None)
   measured, figures = [], CostModel(0.2, **testing.measured_here())
-  monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append(a[3]) or figures)
-  assert serve_cli.calibrate(target, models, 4)
-  assert measured == [[1, 4]] and costs.stored(target, draft, "model") == figures
+  monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append((a[3], kw["draft_len"])) or figures)
+  assert serve_cli.calibrate(target, models, 4)  # at batch 1 and its slots, every K it may draft
+  assert measured == [([1, 4], SpecConfig().draft_len)] and costs.stored(target, draft, "model") == figures
   serve_cli.calibrate(target, models, 4)  # kept: not measured again
   assert len(measured) == 1
   serve_cli.calibrate(target, dict(models, spec=SpecConfig(drafter="model", adaptive=None)), 4)  # fixed K

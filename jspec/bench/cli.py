@@ -75,7 +75,8 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                  lambda a, m, o: end_to_end.suite_defaults(m, a.max_new_tokens, a.repeats, a.prompts,
                                                            tuple(_ints(a.also_draft_lens)),
                                                            tuple(a.also_drafters.split(",")) if a.also_drafters
-                                                           else (), _cost_model(a.also_cost_model))),
+                                                           else (), _cost_model(a.also_cost_model),
+                                                           tuple(_ints(a.also_fixed_lens)))),
     "drafters": ("every drafter with the CLI defaults at each --draft-lens, per prompt set, against plain decoding",
                  lambda a, m, o: end_to_end.suite_drafters(m, _kinds(a), _ints(a.draft_lens),
                                                            a.prompt_sets.split(","), a.max_new_tokens, a.repeats,
@@ -143,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--batches", default="1,4,8")
   ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
   ap.add_argument("--also-draft-lens", default="", help="--suite defaults: also time these longest drafts")
+  ap.add_argument("--also-fixed-lens", default="",
+                  help="--suite defaults: also time these fixed draft lengths (adaptive K off)")
   ap.add_argument("--also-drafters", default="", help="--suite defaults: also time these drafters")
   ap.add_argument("--also-cost-model", default=None, metavar="FILE",
                   help="--suite defaults: also time the default drafter with this cost_model.json's figures")

@@ -10,12 +10,12 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import adaptive, programs, shipped, testing
+from jspec import programs, shipped, testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
 from jspec.bench.timing import interleaved
 from jspec.decoder import make_decoder
-from jspec.settings import COST_FIELDS, AdaptiveConfig, CostModel, SpecConfig
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
 
 def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
@@ -64,23 +64,28 @@ def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts
 
 def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
                    draft_lens: tuple[int, ...] = (), other_drafters: tuple[str, ...] = (),
-                   other_cost: CostModel | None = None) -> dict:
+                   other_cost: CostModel | None = None, fixed_lens: tuple[int, ...] = ()) -> dict:
   """What a user gets: `jspec.generate` with every default (the default drafter and its shipped weights,
   adaptive speculation with the checkpoint's cost model), greedy, against plain decoding, interleaved per
   batch of prompts: each held-out code and English prose prompt alone, and held-out code in batches of 4.
   Every row decodes `max_new` tokens (EOS ignored), so both sides do the same work. Each of `draft_lens`
   is also timed as the longest draft in the same interleaving (what another default `draft_len` would give),
-  each of `other_drafters` with its shipped weights and otherwise default settings (another default
+  each of `fixed_lens` as a fixed draft length (adaptive K off; per row `adaptive_over_best_fixed`), each
+  of `other_drafters` with its shipped weights and otherwise default settings (another default
   drafter), and `other_cost` as the default drafter's cost model instead of the one it finds (`cost`)."""
   target, draft = shipped_pair(pair, shipped.DEFAULT_DRAFTER)  # the CLI's default drafter
   kw = dict(max_new_tokens=max_new, ignore_eos=True)
   variants = {"spec": dict(draft=draft), **{f"spec_k{k}": dict(draft=draft, draft_len=k) for k in draft_lens},
+              **{f"spec_fixed{k}": dict(draft=draft, draft_len=k,
+                                        spec=SpecConfig(drafter=shipped.DEFAULT_DRAFTER, adaptive=None))
+                 for k in fixed_lens},
               **{f"spec_{kind}": dict(draft=shipped_pair(pair, kind)[1], spec=SpecConfig(drafter=kind))
                  for kind in other_drafters}}
   if other_cost is not None:  # as if measured here, so the decoder takes it
     other_cost = dataclasses.replace(other_cost, target_params=None, **testing.measured_here())
     variants["spec_cost"] = dict(draft=dataclasses.replace(draft, cost_models={shipped.DEFAULT_DRAFTER: other_cost}))
-  others = [f"k{k}" for k in draft_lens] + list(other_drafters) + ["cost"] * (other_cost is not None)
+  fixed = [f"fixed{k}" for k in fixed_lens]
+  others = [f"k{k}" for k in draft_lens] + fixed + list(other_drafters) + ["cost"] * (other_cost is not None)
   out = {"drafter": shipped.DEFAULT_DRAFTER, "max_new_tokens": max_new, "runs": {}}
   for name, batch in (("code", 1), ("thirdparty", 1), ("prose", 1), ("code", 4)):
     prompts = PROMPT_SETS[name](count)
@@ -90,30 +95,31 @@ def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
       fns = {"ar": lambda: run("ar"), **{v: lambda v=v: run(v, **variants[v]) for v in variants}}
       t = interleaved(fns, repeats)
       ar, spec = last["ar"], last["spec"]
+      best_fixed = {"adaptive_over_best_fixed": min(t[f"spec_{x}"] for x in fixed) / t["spec"]} if fixed else {}
       rows.append({"prompts": len(group), "speedup": t["ar"] / t["spec"], "tau": spec.stats.mean_accepted_length,
                    "acceptance_rate": spec.stats.acceptance_rate, "plain_forwards": spec.stats.plain_forwards,
                    "draft_len_counts": spec.stats.draft_len_counts,
                    "greedy_identical": all(last[v].token_ids == ar.token_ids for v in variants),
-                   **{f"speedup_{x}": t["ar"] / t[f"spec_{x}"] for x in others},
+                   **{f"speedup_{x}": t["ar"] / t[f"spec_{x}"] for x in others}, **best_fixed,
                    **{f"tau_{kind}": last[f"spec_{kind}"].stats.mean_accepted_length for kind in other_drafters}})
       print(json.dumps({"set": name, "batch": batch, **rows[-1]}), file=sys.stderr)
     summary = lambda key: {f"median_{key}": statistics.median(r[key] for r in rows),
                            f"min_{key}": min(r[key] for r in rows), f"max_{key}": max(r[key] for r in rows)}
     out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows, **summary("speedup"),
-                                           **{k: v for x in others for k, v in summary(f"speedup_{x}").items()}}
+                                           **{k: v for x in others for k, v in summary(f"speedup_{x}").items()},
+                                           **(summary("adaptive_over_best_fixed") if fixed else {})}
   return out
 
 
 def priced_speedup(stats: jspec.Stats) -> float | None:
   """The speedup the cost model of a one-row run gives its own rounds: tokens emitted over the rounds
-  priced at 1 + o + K (c + v) target steps each (a plain step at 1). Free of timing noise, so against the
+  priced at the cost model's rounds (`CostModel.round_cost`; a plain step at 1). Free of timing noise, so against the
   measured speedup it separates what the adaptive policy's choices cost from what the machine's timing
   adds. None without a cost model or for more than one row."""
   cost = stats.cost_model
   if not cost or not stats.emitted_tokens or stats.rounds != stats.target_forwards:
     return None
-  figures = [cost[name] for name in COST_FIELDS]
-  steps = sum(n * (1 if k == 0 else adaptive.round_cost(k, *figures)) for k, n in stats.draft_len_counts.items())
+  steps = sum(n * (1 if k == 0 else cost["round_costs"][k - 1]) for k, n in stats.draft_len_counts.items())
   return stats.emitted_tokens / steps
 
 

@@ -79,7 +79,8 @@ def calibrate(target, models: dict, slots: int) -> bool:
     return False
   log.info("calibrating the %s drafter's cost model (once for these models on this device; --no-calibrate "
            "skips)", kind)
-  costs.store(target, draft, kind, calibration.measure(target, draft, kind, sorted({1, slots})))
+  costs.store(target, draft, kind, calibration.measure(target, draft, kind, sorted({1, slots}),
+                                                        draft_len=spec.draft_len))
   return True
 
 
