@@ -6,14 +6,17 @@ rejection is a test too; nothing after it is), so the rate estimates alpha, the 
 is accepted, whatever K was. We also carry, per draft position i, r_i, the chance that proposal i is
 accepted given that it was tested: acceptance is correlated (easy stretches accept long runs), so r_i grows
 with i, and Leviathan's i.i.d. alpha^i underestimates what long drafts gain. r_i is an EWMA over rounds
-shrunk toward alpha by a prior worth one round, so a single early rejection moves a position's rate only
-halfway to 0: K would otherwise fall below that position, stop testing it, and stay low for as long as
-the one estimate outweighs the prior (every round ages every position). A position tested every round
-outweighs the prior ten to one.
+shrunk toward 1 by a prior worth one round (every round ages every position), optimism that keeps the
+estimate of a position no round tests from going stale: short drafts test only the first positions, so
+a rate that stayed low would pin K short for good (a single early rejection, or a bursty text, code that
+repeats, whose rounds either fail at once or accept the whole draft, where the first positions' rejections
+say nothing of the deep ones). One rejection moves a position's rate halfway to 0; untested for a few
+dozen rounds any rate is back near 1, a longer draft is tried, and what it measures decides. A position tested every
+round outweighs the prior ten to one.
 The batch shares one target forward, so the policy is per batch:
 
 - K: the one that maximizes the mean over active rows of the expected speedup E[tokens | K] / cost(K),
-  with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (alpha where position i has no data yet) and cost(K)
+  with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (1 where position i has no data yet) and cost(K)
   what a round of K drafts costs in target steps at the batch's size (`CostModel.round_cost`): as
   measured by `python -m jspec.calibrate`, else 1 + o + K (c + v), where c is the drafter's cost ratio,
   v what each extra verified token adds to the target forward, and o what a speculative round costs
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 from jspec.settings import AdaptiveConfig
 
 EWMA_WEIGHT = 0.1  # weight of the newest round, as in the seed's scheduler
-PRIOR_WEIGHT = 0.1  # how much alpha counts in each per-position rate (one round counts 0.1)
+PRIOR_WEIGHT = 0.1  # how much the optimistic prior (1) counts in each per-position rate (one round: 0.1)
 
 
 @flax.struct.dataclass
@@ -87,9 +90,10 @@ class Acceptance:
     """[B] per-token acceptance rate from the EWMA; NaN where nothing was tested yet."""
     return self.ewma_accepted_B / jnp.where(self.ewma_tested_B > 0, self.ewma_tested_B, jnp.nan)
 
-  def position_rates(self, prior_B: jax.Array) -> jax.Array:
-    """[B, K] r_i: the chance proposal i is accepted once tested, shrunk toward `prior_B` (alpha)."""
-    return (self.ewma_hit_BxK + PRIOR_WEIGHT * prior_B[:, None]) / (self.ewma_tested_BxK + PRIOR_WEIGHT)
+  @property
+  def position_rates(self) -> jax.Array:
+    """[B, K] r_i: the chance proposal i is accepted once tested, shrunk toward 1 (optimism)."""
+    return (self.ewma_hit_BxK + PRIOR_WEIGHT) / (self.ewma_tested_BxK + PRIOR_WEIGHT)
 
   @property
   def window_full(self) -> jax.Array:
@@ -133,7 +137,7 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig, 
   active_B = active_B if speculating_B is None else active_B & speculating_B
   alpha_B = acceptance.ewma_rate
   has_data = active_B & ~jnp.isnan(alpha_B)
-  rates_BxK = acceptance.position_rates(jnp.nan_to_num(alpha_B))
+  rates_BxK = acceptance.position_rates
   gain_BxK = expected_speedup(rates_BxK, round_costs_K)
   gain_K = _masked_mean(gain_BxK.T, has_data[None, :])
   best = jnp.where(has_data.any(), 1 + jnp.argmax(gain_K), min(policy.initial_draft_len, max_draft_len))

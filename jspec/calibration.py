@@ -138,6 +138,18 @@ def round_ratios(target, draft, kind: str, draft_lens, repeats: int, batch: int 
   return {k: t[k] / t["step"] for k in draft_lens}
 
 
+def non_decreasing(xs: list[float]) -> list[float]:
+  """The closest non-decreasing sequence in least squares (pool adjacent violators): a longer draft never
+  costs less, so where timing noise says otherwise the two figures are averaged."""
+  blocks: list[list[float]] = []  # [mean, count]
+  for x in xs:
+    blocks.append([x, 1])
+    while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+      (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+      blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+  return [m for m, n in blocks for _ in range(n)]
+
+
 def round_and_step(decoder, state, steps: int = STEPS) -> dict[str, Callable[[], None]]:
   """`timed_loop`s of a speculative round ("round") and of a plain step ("step"), both from `state`."""
   def timed(step):
@@ -160,7 +172,8 @@ def measure(target, draft, kind: str, batches: list[int] | tuple[int, ...] = (1,
     rounds = round_ratios(target, draft, kind, range(1, draft_len + 1), repeats, batch=b)
     o = rounds[draft_len] - 1 - draft_len * (c + v)
     measured[b] = CostModel(round(c, 4), round(max(v, 0.0), 4), round(max(o, 0.0), 4),
-                            round_costs=tuple(round(max(rounds[k], 1.0), 4) for k in sorted(rounds)))
+                            round_costs=tuple(round(max(x, 1.0), 4) for x in non_decreasing(
+                                [rounds[k] for k in sorted(rounds)])))
   backend, kind_of_device = costs.device_kind()
   return dataclasses.replace(measured[1], target_params=num_params(target.config), backend=backend,
                              device_kind=kind_of_device,

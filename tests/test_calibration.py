@@ -111,3 +111,10 @@ def test_the_server_calibrates_at_start_up_once(monkeypatch):
   assert len(measured) == 1
   serve_cli.calibrate(target, dict(models, spec=SpecConfig(drafter="model", adaptive=None)), 4)  # fixed K
   assert len(measured) == 1
+
+
+def test_measured_rounds_are_made_non_decreasing():
+  """Timing noise may make a longer round look cheaper: such neighbours are pooled (least squares)."""
+  assert calibration.non_decreasing([1.4, 1.8, 3.0, 2.9, 3.2]) == pytest.approx([1.4, 1.8, 2.95, 2.95, 3.2])
+  assert calibration.non_decreasing([2.0, 1.0, 1.5]) == pytest.approx([1.5, 1.5, 1.5])
+  assert calibration.non_decreasing([1.0, 2.0]) == [1.0, 2.0]

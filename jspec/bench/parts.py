@@ -158,7 +158,8 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
                 batch: int = 1) -> dict:
   """Where a speculative round's time goes, shipped pair, greedy: the whole round, its parts (the proposal
   of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop from the same
-  decode state; the rest of the round is its overhead."""
+  decode state; the rest of the round is its overhead, attributed to the verify's logic and to the proposal
+  run cold (after reading as many floats as the target's weights, as it runs after a target forward)."""
   target, draft = shipped_pair(pair, kind)
   decoder, state = started(target, draft, kind, draft_len, batch, used)
   tparams, config = decoder.target_params, target.config
@@ -184,6 +185,16 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
     s = decode.autoregressive_step(decoder, s)
     return s, value + s.seq_lens_B.sum()
 
+  def sweep(s, i, floats):
+    """Reads as many floats as the target has weights: what the CPU's caches hold of the drafter after a
+    target forward."""
+    return s, lax.dynamic_slice_in_dim(floats, i % 2, floats.shape[0] - 2).sum()
+
+  def propose_cold(s, i, floats):
+    s, read = sweep(s, i, floats)
+    s, value = propose(s, i)
+    return s, value + read
+
   # Each part returns (state, a value that depends on all its work), so XLA cannot drop any of it; the
   # parts rewind to where they started, so every iteration does the same work.
   with_lengths = lambda s: (s, s.seq_lens_B.sum())
@@ -192,13 +203,23 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
       "ar_step": lambda s, i: with_lengths(decode.autoregressive_step(decoder, s)),
       "verify_step": lambda s, i: with_lengths(decode.verify_step(decoder, s, fixed, keys[0])),
       "propose": propose, "verify_forward": verify_forward, "propose_and_ar_step": propose_and_ar_step}
+  reading = {"sweep": sweep, "propose_cold": propose_cold}  # parts that also read the carried floats
 
-  timed = lambda fn: timed_loop(lambda i, s: fn(s, i), state, steps=32)
-  t = {k: v / 32 * 1e3 for k, v in interleaved({k: timed(f) for k, f in parts.items()}, repeats).items()}
+  def timed(fn, reads: bool):
+    def one(i, carry):
+      s, value = fn(carry[0], i, carry[1]) if reads else fn(carry[0], i)
+      return (s, carry[1]), value
+    return timed_loop(one, (state, jnp.ones((num_params(config),), jnp.float32)), steps=32)
+  loops = {**{k: timed(f, False) for k, f in parts.items()}, **{k: timed(f, True) for k, f in reading.items()}}
+  t = {k: v / 32 * 1e3 for k, v in interleaved(loops, repeats).items()}
   rest = t["round"] - t["propose"] - t["verify_forward"]
+  steps = lambda ms: ms / t["ar_step"]
+  parts_ms = {"verify_logic": t["verify_step"] - t["verify_forward"],  # acceptance, commit, statistics, observe
+              # the proposal slowed by the target's weights having evicted the drafter's from the CPU's caches
+              "cold_proposal": t["propose_cold"] - t["sweep"] - t["propose"],
+              "interference": t["propose_and_ar_step"] - t["propose"] - t["ar_step"]}
   return {"drafter": kind, "draft_len": draft_len, "batch": batch, "used": used, "ms": t,
-          "round_in_ar_steps": t["round"] / t["ar_step"], "overhead_ms": rest,
-          "overhead_in_ar_steps": rest / t["ar_step"],
-          # of which: acceptance, commit, statistics and the drafter's bookkeeping after the forward
-          "verify_logic_ms": t["verify_step"] - t["verify_forward"],
-          "interference_ms": t["propose_and_ar_step"] - t["propose"] - t["ar_step"]}
+          "round_in_ar_steps": steps(t["round"]), "overhead_ms": rest, "overhead_in_ar_steps": steps(rest),
+          **{f"{k}_ms": v for k, v in parts_ms.items()}, **{f"{k}_in_ar_steps": steps(v) for k, v in parts_ms.items()},
+          # what no part accounts for: the round's control flow and whatever the parts' loops do not share
+          "unattributed_in_ar_steps": steps(rest - parts_ms["verify_logic"] - parts_ms["cold_proposal"])}
