@@ -100,6 +100,9 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
     if kind != drafter_kind(draft):
       raise ValueError(f"the {kind} drafter was given {drafter_kind(draft)} weights")
     params = draft.params
+  longest = cls.longest_draft(draft)
+  if longest is not None and spec.adaptive is not None and spec.tree is None and spec.draft_len > longest:
+    spec = dataclasses.replace(spec, draft_len=longest)  # an adaptive draft_len is a ceiling
   measured, source = (costs.cost_model(target, draft, kind, cls.needs_weights, mesh_shape)
                       if spec.adaptive is not None or spec.tree is not None else (None, None))  # what reads it
   drafter = cls.for_pair(target, draft, spec)

@@ -88,7 +88,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
   spec, adaptive = SpecConfig(), AdaptiveConfig()
   g = p.add_argument_group("speculation")
   g.add_argument("--draft-len", type=int, default=spec.draft_len, metavar="K",
-                 help=f"tokens drafted per round, K (at most {MAX_DRAFT_LEN}); the largest K when adaptive")
+                 help=f"tokens drafted per round, K (at most {MAX_DRAFT_LEN}); the largest K when adaptive "
+                      "(and at most Medusa's heads)")
   g.add_argument("--max-ngram", type=int, default=spec.max_ngram, metavar="M",
                  help=f"longest context match the ngram drafter tries (at most {MAX_NGRAM})")
   g.add_argument("--typical-acceptance", action="store_true",

@@ -257,13 +257,14 @@ class SpecConfig:
   `drafter` names the kind ("model", "medusa", "eagle", "ngram"); it may be left None when the draft's
   weights imply it. `typical_acceptance` swaps exact rejection sampling for Medusa's typical acceptance,
   which is LOSSY when sampling (greedy output is unchanged). `adaptive` (on by default) chooses K per
-  round, up to `draft_len`, or a plain step when acceptance is low; None: every round drafts `draft_len`.
+  round, up to `draft_len` (and a drafter's own limit, as Medusa's heads), or a plain step when acceptance
+  is low; None: every round drafts `draft_len`.
   Rounds with `disable_at_batch_size` rows or more running decode plainly (vLLM's rule; without adaptive
   K, a batch of that many rows decodes plainly throughout). `trace_rounds` records the
   first R adaptive decisions in the statistics. `tree` drafts a token tree of depth `draft_len` instead of
   a chain, at that fixed shape: tree rounds are not adaptive.
   """
-  draft_len: int = 4
+  draft_len: int = 8
   drafter: str | None = None
   max_ngram: int = 3
   typical_acceptance: bool = False

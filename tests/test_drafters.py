@@ -137,8 +137,10 @@ def test_bad_drafter_requests_are_one_line_errors(target):
     jspec.generate(target, [[1]], spec=SpecConfig(drafter="tree"))
   with pytest.raises(ValueError, match="needs draft weights"):
     jspec.generate(target, [[1]], spec=SpecConfig(drafter="medusa"))
-  with pytest.raises(ValueError, match="exceeds the 5 Medusa heads"):
-    jspec.generate(target, [[1]], draft=make_draft("medusa", target), draft_len=6)
+  with pytest.raises(ValueError, match="exceeds the 5 Medusa heads"):  # a fixed K; an adaptive one is capped
+    jspec.generate(target, [[1]], draft=make_draft("medusa", target), draft_len=6, spec=testing.fixed_k(6))
+  capped = jspec.generate(target, [[1]], draft=make_draft("medusa", target), max_new_tokens=4, draft_len=8)
+  assert max(capped.stats.draft_len_counts) <= 5
   with pytest.raises(ValueError, match="the eagle drafter was given medusa weights"):
     jspec.generate(target, [[1]], draft=make_draft("medusa", target), spec=SpecConfig(drafter="eagle"))
   wide = testing.random_model(dataclasses.replace(CONFIG, dim=96))

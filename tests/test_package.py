@@ -124,7 +124,7 @@ def test_help_and_version_answer_without_jax():
                         cwd=REPO, timeout=300)
   assert proc.returncode == 0
   for group in ("models:", "prompts and output:", "sampling:", "speculation:", "adaptive speculation:",
-                "distributed:", "examples:", "(default: 4)"):
+                "distributed:", "examples:", "(default: 8)"):
     assert group in proc.stdout, group
   loaded = _modules_after("from jspec import cli\ntry:\n  cli.main(['--help'])\nexcept SystemExit:\n  pass")
   assert "jax" not in loaded and "numpy" not in loaded

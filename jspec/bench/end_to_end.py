@@ -105,6 +105,7 @@ def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
       print(json.dumps({"set": name, "batch": batch, **rows[-1]}), file=sys.stderr)
     summary = lambda key: {f"median_{key}": statistics.median(r[key] for r in rows),
                            f"min_{key}": min(r[key] for r in rows), f"max_{key}": max(r[key] for r in rows)}
+    programs.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
     out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows, **summary("speedup"),
                                            **{k: v for x in others for k, v in summary(f"speedup_{x}").items()},
                                            **(summary("adaptive_over_best_fixed") if fixed else {})}

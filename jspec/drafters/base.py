@@ -97,6 +97,11 @@ class Drafter:
     `needs_weights` is False); a draft that does not fit the target is a one-line ValueError."""
     return draft.drafter
 
+  @classmethod
+  def longest_draft(cls, draft: Any) -> int | None:
+    """The most tokens these draft weights can propose in a round (None: no limit)."""
+    return None
+
   def loop_params(self, params: Any) -> Any:
     """The weights the loop carries for this drafter, from the loaded draft's (themselves by default)."""
     return params

@@ -47,6 +47,10 @@ class MedusaDrafter(Drafter):
       raise ValueError(f"draft_len {spec.draft_len} exceeds the {draft.drafter.num_heads} Medusa heads")
     return draft.drafter
 
+  @classmethod
+  def longest_draft(cls, draft) -> int:
+    return draft.drafter.num_heads
+
   def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
     """A static tree (Medusa's `tree_choices`): the given paths, else the likeliest `nodes` paths."""
     if shape.sampled:
