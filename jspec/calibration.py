@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from jspec import cache as kvcache
-from jspec import costs, decode, model
+from jspec import costs, decode, model, registry
 from jspec.config import ModelConfig, num_params
 from jspec.decoder import make_decoder
 from jspec.request import make_batch
@@ -164,7 +164,10 @@ def measure(target, draft, kind: str, batches: list[int] | tuple[int, ...] = (1,
             draft_len: int = 4) -> CostModel:
   """The cost model of `target` with this drafter on the default devices: batch 1's figures, the others as
   its `batches`, with the target's size and the backend and device kind they were measured on. Rounds of
-  every K up to `draft_len` are timed (`round_costs`); v and o are read at `draft_len`."""
+  every K up to `draft_len` (and the drafter's own limit, as Medusa's heads) are timed (`round_costs`); v
+  and o are read at the longest."""
+  longest = registry.drafter_class(kind).longest_draft(draft)
+  draft_len = min(draft_len, longest or draft_len)
   measured = {}
   for b in sorted({1, *batches}):
     c = drafter_cost_ratio(target, draft, kind, repeats, batch=b)

@@ -118,3 +118,10 @@ def test_measured_rounds_are_made_non_decreasing():
   assert calibration.non_decreasing([1.4, 1.8, 3.0, 2.9, 3.2]) == pytest.approx([1.4, 1.8, 2.95, 2.95, 3.2])
   assert calibration.non_decreasing([2.0, 1.0, 1.5]) == pytest.approx([1.5, 1.5, 1.5])
   assert calibration.non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_rounds_are_timed_up_to_what_the_drafter_can_propose():
+  """Medusa's heads bound its draft: a calibration asked for K up to 8 times rounds of K = 1, 2 for two heads."""
+  target = testing.random_model(testing.NO_EOS)
+  heads = testing.random_draft("medusa", target, heads=2)
+  assert len(calibration.measure(target, heads, "medusa", (1,), repeats=1, draft_len=8).round_costs) == 2
