@@ -11,8 +11,8 @@ estimate of a position no round tests from going stale: short drafts test only t
 a rate that stayed low would pin K short for good (a single early rejection, or a bursty text, code that
 repeats, whose rounds either fail at once or accept the whole draft, where the first positions' rejections
 say nothing of the deep ones). One rejection moves a position's rate halfway to 0; untested for a few
-dozen rounds any rate is back near 1, a longer draft is tried, and what it measures decides. A position tested every
-round outweighs the prior ten to one.
+dozen rounds any rate is back near 1, a longer draft is tried, and what it measures decides. A position
+tested every round outweighs the prior ten to one.
 The batch shares one target forward, so the policy is per batch:
 
 - K: the one that maximizes the mean over active rows of the expected speedup E[tokens | K] / cost(K),
