@@ -29,6 +29,8 @@ def _decoder_and_requests(batch, kind, capacity=512):
       # steps with a wider forward: branches that write caches, which XLA:CPU must not copy.
       "model-adaptive": (drafters.ModelDrafter(DRAFT, lag=17), draft.params, adaptive_spec),
       "ngram-adaptive": (drafters.NgramDrafter(CONFIG.vocab_size, 3), None, adaptive_spec),
+      # The EAGLE head's own cache and feature buffer ride through every branch too.
+      "eagle-adaptive": (eagle.drafter, eagle.params, adaptive_spec),
       # A tree round gathers the accepted path's K/V into place: in place too.
       "medusa-tree": (medusa.drafter, medusa.params,
                       SpecConfig(3, tree=TreeConfig(3, 8, tree.default_choices(3, 3, 8)))),
@@ -53,11 +55,12 @@ def _hlo(batch, kind, capacity=512):
 
 @pytest.mark.parametrize("batch,kind", [
     (b, k) for b in (1, 4, kvcache.MAX_UNROLLED_ROWS + 2) for k in ("autoregressive", "model")] + [
-    (4, k) for k in ("model-adaptive", "ngram-adaptive")] + [(b, "medusa-tree") for b in (1, 4)] + [
+    (4, k) for k in ("model-adaptive", "ngram-adaptive", "eagle-adaptive")] + [(b, "medusa-tree") for b in (1, 4)] + [
     (4, k) for k in ("model-tree", "eagle-tree")])
 def test_no_full_cache_copy_in_loop_body(batch, kind):
   capacity = 512
   text = _hlo(batch, kind, capacity)
+  # The EAGLE head's cache has the target's shape: CONFIG's size covers it.
   for config in [CONFIG] + ([DRAFT] if kind.startswith("model") else []):
     elements = batch * config.n_kv_heads * capacity * config.head_dim
     assert testing.loop_cache_copies(text, elements) == []
