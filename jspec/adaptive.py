@@ -107,12 +107,6 @@ class Acceptance:
     return self.window_accepted_BxW.sum(1) / jnp.where(tested > 0, tested, jnp.nan)
 
 
-def linear_round_costs(max_draft_len: int, cost_ratio: float, verify_cost: float = 0.0,
-                       round_overhead: float = 0.0) -> tuple[float, ...]:
-  """Rounds of K = 1..max_draft_len drafts in target steps by the line 1 + o + K (c + v)."""
-  return tuple(1 + round_overhead + k * (cost_ratio + verify_cost) for k in range(1, max_draft_len + 1))
-
-
 def expected_speedup(rates_BxK: jax.Array, round_costs_K) -> jax.Array:
   """[B, K]: the expected speedup of drafting k = 1..K tokens, from per-position acceptance rates r_1..r_K
   and what a round of k drafts costs in target steps. With every r_i = alpha and rounds of 1 + K c it is
@@ -132,7 +126,7 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig, 
   o give the line); its costs are those at the batch's width (every row, done or not, rides
   in the verify); acceptance is read from the active rows that speculate (`speculating_B`, default all)."""
   rows = active_B.sum()
-  costs = policy.costs_by_rows or (linear_round_costs(max_draft_len, *policy.cost.as_tuple()),)
+  costs = policy.costs_by_rows or (tuple(policy.cost.round_cost(k) for k in range(1, max_draft_len + 1)),)
   round_costs_K = costs[min(active_B.shape[0], len(costs)) - 1]
   active_B = active_B if speculating_B is None else active_B & speculating_B
   alpha_B = acceptance.ewma_rate

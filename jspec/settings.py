@@ -193,7 +193,7 @@ class AdaptiveConfig:
     """The cost model, once every field is set (`with_costs`)."""
     return CostModel(self.cost_ratio, self.verify_cost, self.round_overhead)
 
-  def with_costs(self, measured: CostModel, batch: int = 1, max_draft_len: int = 4) -> AdaptiveConfig:
+  def with_costs(self, measured: CostModel, batch: int, max_draft_len: int) -> AdaptiveConfig:
     """This policy for up to `batch` rows and drafts of up to `max_draft_len`, its unset cost fields taken
     from `measured` at each number of rows (`CostModel.for_batch`); the fields themselves hold c, v and o
     at `batch` rows. Cost fields set here replace the measured rounds with the line they give."""

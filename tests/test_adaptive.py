@@ -61,7 +61,8 @@ def test_draft_len_follows_the_expected_speedup():
   assert choose(mixed, policy=dataclasses.replace(costly, round_overhead=2.0, fallback_threshold=0.0))[0] == 6
   # Leviathan's formula is the special case r_i = alpha.
   alpha, c = 0.7, 0.1
-  np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), adaptive.linear_round_costs(5, c))[0],
+  rounds = [CostModel(c).round_cost(k) for k in range(1, 6)]
+  np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), rounds)[0],
                              [(1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) for k in range(1, 6)], rtol=1e-5)
 
 

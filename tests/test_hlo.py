@@ -21,7 +21,7 @@ def _decoder_and_requests(batch, kind, capacity=512):
   draft = testing.random_model(DRAFT, seed=1)
   medusa = testing.random_heads(drafters.MedusaDrafter(CONFIG, 3))
   eagle = testing.random_heads(drafters.EagleDrafter.for_target(CONFIG))
-  adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral()))
+  adaptive_spec = SpecConfig(4, adaptive=AdaptiveConfig().with_costs(CostModel.neutral(), 1, 4))
   drafter, draft_params, spec = {
       "autoregressive": (None, None, None),
       "model": (drafters.ModelDrafter(DRAFT), draft.params, SpecConfig(4, adaptive=None)),

@@ -97,10 +97,11 @@ def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int],
            **cell(target, drafts[kind], kind, [rows[i:i + b] for i in range(0, len(rows), b)], t, k, max_new,
                   repeats)}
     c, v = out["drafters"][kind]["c"][b], (out["verify_cost"][b][k] - 1) / k
+    rounds_K = 1 + jnp.arange(1, k + 1) * (c + v)
     row["predicted_speedup"] = None if row["alpha"] is None else float(  # Leviathan's bound
-        adaptive.expected_speedup(jnp.full((k,), row["alpha"]), adaptive.linear_round_costs(k, c, v))[-1])
+        adaptive.expected_speedup(jnp.full((k,), row["alpha"]), rounds_K)[-1])
     row["engine_efficiency"] = None if row["alpha"] is None else row["decode_speedup"] / row["predicted_speedup"]
-    row["round_cost_predicted"] = 1 + k * (c + v)
+    row["round_cost_predicted"] = float(rounds_K[-1])
     out["cells"].append(row)
     save(out)
     programs.release_executables()
