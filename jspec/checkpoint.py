@@ -114,7 +114,8 @@ def _make_dir(path: str | pathlib.Path) -> pathlib.Path:
 def _save_params(params: model.Params, path: pathlib.Path, storage_dtype: str | None = None) -> None:
   """Writes `path/params` with orbax, optionally cast to `storage_dtype`."""
   with ocp.StandardCheckpointer() as ckptr:
-    params = params if storage_dtype is None else jax.tree.map(lambda x: x.astype(storage_dtype), params)
+    cast = lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # ids stay ids
+    params = params if storage_dtype is None else jax.tree.map(cast, params)
     ckptr.save(path / "params", params, force=True)
   # orbax leaves a marker that spells out the absolute path; a shipped checkpoint must not carry it.
   (path / "params" / "commit_success.txt").unlink(missing_ok=True)

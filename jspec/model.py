@@ -122,16 +122,21 @@ def _mlp(layer: Params, h_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
 
 
 def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
-            attend: AttendFn, rope_len_B: jax.Array | None = None, outputs: list | None = None) -> jax.Array:
+                attend: AttendFn, rope_len_B: jax.Array | None = None, outputs: list | None = None,
+                first_input_BxSxA: jax.Array | None = None) -> jax.Array:
   """The decoder layers `params["layers"]` over input vectors; returns the residual stream [B,S,D].
 
   `rope_len_B`: each row's final length, which only dynamic-NTK RoPE reads (default: the positions given).
-  `outputs`, when given, receives the residual stream after each layer.
+  `outputs`, when given, receives the residual stream after each layer. A layer without `attn_norm` attends
+  from the residual stream itself (EAGLE's first layer); `first_input_BxSxA`, when given, is what the first
+  layer's q/k/v read instead (EAGLE-3's normed embedding and feature side by side, A = 2D).
   """
   batch, seq, _ = x_BxSxD.shape
   heads = lambda x, n: x.reshape(batch, seq, n, config.head_dim)
   for i, layer in enumerate(params["layers"]):
-    h = rms_norm(x_BxSxD, layer["attn_norm"], config)
+    h = rms_norm(x_BxSxD, layer["attn_norm"], config) if "attn_norm" in layer else x_BxSxD
+    if i == 0 and first_input_BxSxA is not None:
+      h = first_input_BxSxA
     q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
     if config.qkv_bias:
       q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
@@ -188,8 +193,8 @@ def forward(params: Params, tokens_BxS: jax.Array, positions_BxS: jax.Array, cac
 
 
 def cached_layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, cache: kvcache.KVCache,
-                   config: ModelConfig, tree_BxSxA: jax.Array | None = None,
-                   outputs: list | None = None) -> tuple[jax.Array, kvcache.KVCache]:
+                       config: ModelConfig, tree_BxSxA: jax.Array | None = None, outputs: list | None = None,
+                       first_input_BxSxA: jax.Array | None = None) -> tuple[jax.Array, kvcache.KVCache]:
   """`layer_stack` over S new input vectors per row, written into the cache at each row's length."""
   ks, vs = list(cache.k), list(cache.v)
 
@@ -199,7 +204,7 @@ def cached_layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Ar
     return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major,
                                       tree_BxSxA=tree_BxSxA, **attention_options(config, i))
 
-  x_BxSxD = layer_stack(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len, outputs)
+  x_BxSxD = layer_stack(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len, outputs, first_input_BxSxA)
   return x_BxSxD, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])
 
 

@@ -47,8 +47,10 @@ PARAM_AXES = {
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
     "wo": ("heads", "embed"), "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-    "fc": ("embed", "embed"), "fuse": ("embed", "embed"), "fuse_norm": ("embed",),  # EAGLE(-3) input projections
-    "w": ("stack", "embed", "embed"), "b": ("stack", "embed"),  # Medusa heads
+    # EAGLE's input projections and EAGLE-3's norms (its `lm_head` over a draft vocabulary: `target_ids`)
+    "fc": ("embed", "embed"), "fc_bias": ("embed",), "fuse": ("embed", "embed"), "embed_norm": ("embed",),
+    "hidden_norm": ("embed",),
+    "w": ("embed", "embed"), "b": ("embed",),  # Medusa's blocks, stacked by head and layer
     # a cross-tokenizer draft's tables (`jspec.vocab_map`), whole on every device
     "draft_ids": (None,), "target_ids": (None,), "spelling": (None, None), "spelling_lens": (None,),
 }
@@ -99,7 +101,9 @@ def param_specs(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
 
   def spec(path, leaf):
     name = next(str(k.key) for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
-    return logical_to_spec(PARAM_AXES[name], mesh, units)
+    axes = ("stack",) * (leaf.ndim - len(PARAM_AXES[name])) + PARAM_AXES[name]  # stacked weights: heads first
+    sizes = {**units, "vocab": leaf.shape[axes.index("vocab")]} if "vocab" in axes else units  # a draft vocabulary
+    return logical_to_spec(axes, mesh, sizes)
   return jax.tree_util.tree_map_with_path(spec, params)
 
 

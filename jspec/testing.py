@@ -61,7 +61,8 @@ def random_heads(drafter, seed: int = 0, scale: float = 0.5) -> drafters.Heads:
   params = drafter.init_params(jax.random.PRNGKey(seed))
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-  noisy = [x + scale * x.shape[-1] ** -0.5 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  noisy = [x + scale * x.shape[-1] ** -0.5 * jax.random.normal(k, x.shape, x.dtype)
+           if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]
   return drafters.Heads(drafter, jax.tree.unflatten(treedef, noisy))
 
 
@@ -83,10 +84,14 @@ def random_draft(kind: str, target: Model, seed: int = 1, heads: int = 5, scale:
   return random_heads(cls.for_training(target.config, {"num_heads": heads}), seed, scale)
 
 
-def random_eagle3(target: Model, seed: int = 1, scale: float = 0.5) -> drafters.Heads:
-  """A random EAGLE-3 head for `target`: it reads the default low, middle and high layers."""
+def random_eagle3(target: Model, seed: int = 1, scale: float = 0.5, draft_vocab: int | None = None) -> drafters.Heads:
+  """A random EAGLE-3 head for `target`: it reads the default low, middle and high layers, and drafts over
+  `draft_vocab` tokens (default: all) chosen at random."""
   layers = drafters.eagle.default_feature_layers(target.config.n_layers)
-  return random_heads(drafters.EagleDrafter.for_target(target.config, feature_layers=layers), seed, scale)
+  drafter = drafters.EagleDrafter.for_target(target.config, feature_layers=layers, draft_vocab=draft_vocab)
+  counts = np.random.default_rng(seed).permutation(target.config.vocab_size)
+  _, frozen = drafter.training_init(jax.random.PRNGKey(seed), target.params, counts)
+  return drafters.Heads(drafter, {**random_heads(drafter, seed, scale).params, **frozen})
 
 
 def char_tokenizer(tokens: list[str], merges: list[tuple[str, str]] = ()) -> Tokenizer:

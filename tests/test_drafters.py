@@ -177,13 +177,27 @@ def test_eagle3_reads_several_layers_and_decodes_losslessly(target):
     assert jspec.generate(target, [p], seed=[7 + b], **kw).token_ids[0] == batched.token_ids[b]
 
 
+def test_eagle3_over_a_draft_vocabulary_keeps_the_exact_law(target):
+  """An EAGLE-3 head drafting over 10 of the 16 tokens (its q zero off them; a token the target may pick
+  is missing from it): the first two tokens keep the exact law, and a greedy tree gives the target's text."""
+  heads = testing.random_eagle3(target, draft_vocab=10)
+  assert sorted(np.asarray(heads.params["target_ids"]).tolist()) != list(range(10))
+  spec = testing.fixed_k(2, drafter="eagle")
+  tv, bound, stats = testing.two_token_tv(target, [3, 1, 4], (1.0, 0, 1.0), 4000, draft=heads, spec=spec)
+  assert tv < bound and stats.accepted_tokens > 0  # accepted and rejected drafts both verified
+  ps = prompts(4, seed=4)
+  plain = jspec.generate(target, ps, max_new_tokens=12).token_ids
+  tree = SpecConfig(3, drafter="eagle", tree=jspec.TreeConfig(2, 6), adaptive=None)
+  assert jspec.generate(target, ps, draft=heads, spec=tree, max_new_tokens=12).token_ids == plain
+
+
 def test_eagle3_round_trip_and_eagle1_heads_still_load(target, tmp_path):
   heads = testing.random_eagle3(target)
   checkpoint.save_heads(heads, tmp_path / "eagle3")
   loaded = jspec.load(tmp_path / "eagle3")
   assert loaded.drafter == heads.drafter and loaded.drafter.feature_layers == heads.drafter.feature_layers
-  eagle1 = jspec.load(shipped.SMALL.drafts["eagle"])  # written before EAGLE-3 existed: no feature_layers
-  assert eagle1.drafter.feature_layers == () and eagle1.drafter.version == 1
+  eagle1 = jspec.load(shipped.SMALL.drafts["eagle"])  # jspec's first EAGLE-1 layout, with its two extra norms
+  assert eagle1.drafter.feature_layers == () and eagle1.drafter.version == 1 and eagle1.drafter.extra_norms
 
 
 def test_training_time_test_unrolls_exactly_what_drafting_computes(target):
@@ -206,8 +220,7 @@ def test_training_time_test_unrolls_exactly_what_drafting_computes(target):
       keys.append(k)
       values.append(v)
       return unrolled_attention(q, keys, values, d.config.head_dim ** -0.5)
-    out = d._features(params, model.layer_stack(params, d._inputs(params, tp, feature, next_tokens), positions,
-                                                d.config, attend))
+    out = d.unrolled(params, tp, feature, next_tokens, positions, attend)
     outs.append(out)
     feature = jnp.roll(out, 1, axis=1)
   for start in (0, 4, 7):

@@ -157,14 +157,19 @@ def test_drafter_recipe_trains_each_kind_for_a_target_and_resumes(tiny_target, t
             "--new-tokens", "6", "--slots", "2", "--batch", "2", "--seq-len", "24"]
   for kind in ("eagle", "medusa", "model"):
     out = tmp_path / kind
-    calibrate = [] if kind == "eagle" else ["--no-calibrate"]  # measured once: it compiles several loops
-    assert entry.main(["drafter", "--kind", kind, "--out", str(out), "--steps", "4", *common, *calibrate]) == 0
+    # EAGLE is measured once (it compiles several loops), over the data's most frequent half of the vocabulary
+    half = target.config.vocab_size // 2
+    extra = ["--draft-vocab", str(half)] if kind == "eagle" else ["--no-calibrate"]
+    assert entry.main(["drafter", "--kind", kind, "--out", str(out), "--steps", "4", *common, *extra]) == 0
     draft = jspec.load(out)
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps"] == 4 and log["heldout_tau_k4"] >= 1.0
     assert (kind in checkpoint.read_cost_models(out)) == (kind == "eagle")
     if kind == "eagle":
-      assert draft.drafter.version == 3  # EAGLE-3 by default
+      assert draft.drafter.version == 3 and draft.drafter.draft_vocab == half  # EAGLE-3 by default
+      ids = np.asarray(draft.params["target_ids"])
+      counts = np.bincount(np.concatenate([target.tokenizer.encode(f.read_text()).ids for f in docs.glob("*.py")]))
+      assert (np.diff(ids) > 0).all() and counts.argmax() in ids  # the most frequent tokens, in id order
     r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, spec=testing.fixed_k(3))
     assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
 
@@ -183,6 +188,7 @@ def test_drafter_recipe_trains_each_kind_for_a_target_and_resumes(tiny_target, t
     (["--data", "{bad}"], "expected a JSON object with a `text` or `prompt` field"),
     (["--feature-layers", "low"], "--feature-layers: expected eagle3, last or layers"),
     (["--feature-layers", "0,99"], "outside the target's"),
+    (["--draft-vocab", "10000000"], "choose at most the target's"),
 ])
 def test_drafter_recipe_refuses_bad_input_with_one_line(tiny_target, tmp_path, capsys, argv, message):
   good = tmp_path / "good.txt"

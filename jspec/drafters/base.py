@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jspec.automaton import Automata
@@ -152,6 +153,11 @@ class Drafter:
     """A drafter to train for a target of `target_config` (`options`: the training config's `heads`)."""
     raise ValueError(f"the {cls.kind} drafter is not trained as heads on a frozen target")
 
+  def training_init(self, key: jax.Array, target_params: Any, token_counts: np.ndarray) -> tuple[Any, dict]:
+    """Weights to start training from, given how often each target token occurs in the training data:
+    `(trained, frozen)`, the frozen ones (`{}` by default) fixed by the data and merged in for the loss."""
+    return self.init_params(key), {}
+
   def loss(self, weights: DraftWeights, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
            tokens_BxS: jax.Array, key: jax.Array, options: dict) -> jax.Array:
     """The training loss on a window of the target's features, logits and tokens (target frozen)."""
@@ -214,6 +220,7 @@ class Heads:
   drafter: Drafter
   params: dict
   cost_models: dict[str, CostModel] = dataclasses.field(default_factory=dict)
+  source: str = ""  # the published format they were read from (`jspec.head_formats`); "": jspec's own
 
   @property
   def num_params(self) -> int:
@@ -251,6 +258,13 @@ class Features:
     """The feature at position seq_len - 2, [B,D]."""
     idx = jnp.clip(seq_lens_B - 2 - self.start_B, 0, self.feats_BxCxD.shape[1] - 1)
     return jnp.take_along_axis(self.feats_BxCxD, idx[:, None, None], axis=1)[:, 0]
+
+
+def onto_vocab(logits_BxSxW: jax.Array, target_ids_W: jax.Array, vocab_size: int) -> jax.Array:
+  """Logits over a smaller vocabulary (entry w is target token `target_ids[w]`) as logits over the target's
+  `vocab_size` tokens, -inf off the mapped ones: q is zero there, so verification stays exact."""
+  out = jnp.full((*logits_BxSxW.shape[:-1], vocab_size), -jnp.inf, logits_BxSxW.dtype)
+  return out.at[..., target_ids_W].set(logits_BxSxW)
 
 
 def draw(key_Bx2: jax.Array, logits_BxV: jax.Array, fsm_B: jax.Array | None,

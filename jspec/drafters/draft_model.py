@@ -45,6 +45,7 @@ from jspec.drafters.base import (
   TreeProposal,
   draft_chain,
   dynamic_tree_shape,
+  onto_vocab,
 )
 from jspec.model import Model
 from jspec.settings import SpecConfig, TreeConfig
@@ -210,8 +211,7 @@ class CrossVocabDrafter(ModelDrafter):
     """The draft's logits on the intersection, over the target's vocabulary (-inf off it)."""
     logits = model.logits_from_hidden(params, hidden_BxSxD, self.config)
     tables = params["vocab_map"]
-    out = jnp.full((*logits.shape[:-1], self.vocab_size), -jnp.inf, logits.dtype)
-    return out.at[..., tables["target_ids"]].set(logits[..., tables["draft_ids"]])
+    return onto_vocab(logits[..., tables["draft_ids"]], tables["target_ids"], self.vocab_size)
 
   def _spell(self, tables, tokens_BxT: jax.Array, start_B: jax.Array, count_B: jax.Array,
              span: int) -> tuple[jax.Array, jax.Array]:

@@ -1,17 +1,22 @@
-"""EAGLE (Li et al. 2024) and EAGLE-3 (Li et al. 2025): a one-layer transformer that drafts on the target's
-features.
+"""EAGLE (Li et al. 2024) and EAGLE-3 (Li et al. 2025): a small transformer that drafts on the target's
+features, in the layouts the published heads use (the EAGLE repository's `cnets1.py` and `cnets.py`,
+vLLM's speculators format), so a head trained anywhere drafts here and a head trained here exports.
 
-Its input at position p is `fc([feature_p ; embed(token_{p+1})])`; its output, after its own final norm, is
+EAGLE-1 reads the target's final-normed hidden state. Its input at position p is `fc([embed(token_{p+1}) ;
+feature_p]) (+ bias)`; its first layer has no norm before attention, and its output, with no final norm, is
 its feature of position p + 1, which the target's LM head turns into the distribution of token p + 2.
-Embedding and LM head are the target's (frozen, not stored). Drafting runs it autoregressively on its own
-output features, with its own KV cache.
+(`extra_norms`: the layout jspec first trained, with both norms; it exports to no published format.)
 
-EAGLE-1 (`feature_layers` empty) reads the target's final-normed hidden state and is trained to regress it
-(smooth L1) as well as to match the target's next-next distribution. EAGLE-3 reads the outputs of a low, a
-middle and a high target layer, fused by `fuse [3D, D]` and a norm into one feature; its output is free (no
-regression), and it is trained by "training-time test": the head is unrolled for `ttt_steps` steps on its
-own output features, as it drafts, each step's position seeing the real features' keys up to where its
-chain began and its own earlier steps' keys (`unrolled_attention`), each step's KL weighted by 0.8^step.
+EAGLE-3 reads the residual streams after a low, a middle and a high target layer, projected by `fuse
+[3D, D]` (the formats' `fc`) into its feature. Its first layer's q/k/v read `[norm(embed(token)) ;
+norm(feature)]` (2D wide) while the residual stream carries the feature itself; its output (before its own
+`final_norm`) is the next position's feature, and its own LM head maps the normed output to a draft
+vocabulary of `draft_vocab` tokens, entry w being target token `target_ids[w]` (the formats' d2t), so q
+is zero off that set. It is trained by "training-time test": unrolled for `ttt_steps` steps on its own
+output features, as it drafts, each step's position seeing the real features' keys up to where its chain
+began and its own earlier steps' keys (`unrolled_attention`), each step's KL weighted by 0.8^step.
+
+Embedding: the target's, or the head's own (`own_embed`, when its checkpoint carries one).
 
 Cache invariant: at the start of a round the cache holds positions `[0, start)` where `start` is the first
 position of the target features kept in `Features` (the last target forward's). The round first feeds those
@@ -28,6 +33,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec import cache as kvcache
 from jspec import model, tree
@@ -43,6 +49,7 @@ from jspec.drafters.base import (
   check_heads_fit,
   draft_chain,
   dynamic_tree_shape,
+  onto_vocab,
 )
 from jspec.settings import SpecConfig, TreeConfig
 
@@ -89,35 +96,58 @@ def unrolled_attention(q_BxSxHxDh: jax.Array, keys: list[jax.Array], values: lis
 
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
-  config: ModelConfig  # the target's shape with one layer (its own mlp_dim allowed)
-  feature_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers fused; empty: EAGLE-1
+  config: ModelConfig  # its layers: the target's shape with its own layer count (and mlp_dim)
+  # EAGLE-3: the target layers fused; empty: `default_feature_layers` of the target it is paired with
+  feature_layers: tuple[int, ...] = ()
+  draft_vocab: int = 0  # EAGLE-3: the size of its own LM head's vocabulary; 0: EAGLE-1
+  fc_bias: bool = False  # EAGLE-1: a bias on `fc` (the EAGLE repository's `bias`)
+  norm_before_residual: bool = False  # EAGLE-3: the residual stream starts from the normed feature
+  extra_norms: bool = False  # EAGLE-1: a norm before the first attention and a final norm (jspec's first layout)
+  own_embed: bool = False  # it carries its own embedding instead of reading the target's
   kind = "eagle"
   learning_rate = 2e-3
   supports_tree = True
 
   @classmethod
   def for_pair(cls, target, draft, spec: SpecConfig) -> EagleDrafter:
-    check_heads_fit(cls.kind, draft.drafter.config, target)
-    return draft.drafter
+    drafter = draft.drafter
+    check_heads_fit(cls.kind, drafter.config, target)
+    if drafter.is_eagle3 and not drafter.feature_layers:
+      drafter = dataclasses.replace(drafter, feature_layers=default_feature_layers(target.config.n_layers))
+    if drafter.feature_layers and max(drafter.feature_layers) >= target.config.n_layers:
+      raise ValueError(f"this EAGLE-3 head reads target layers {list(drafter.feature_layers)} (0-based, the "
+                       f"residual after each); the target has {target.config.n_layers}")
+    return drafter
 
   def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
     return dynamic_tree_shape(self.kind, shape, depth, nodes_asked)
 
   @property
+  def is_eagle3(self) -> bool:
+    return self.draft_vocab > 0
+
+  @property
   def version(self) -> int:
-    return 3 if self.feature_layers else 1
+    return 3 if self.is_eagle3 else 1
 
   def metadata(self) -> dict:
-    return {"feature_layers": list(self.feature_layers)} if self.feature_layers else {}
+    return {"feature_layers": list(self.feature_layers), "draft_vocab": self.draft_vocab, "fc_bias": self.fc_bias,
+            "norm_before_residual": self.norm_before_residual, "extra_norms": self.extra_norms,
+            "own_embed": self.own_embed}
 
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> EagleDrafter:
-    return cls(config, tuple(int(i) for i in metadata.get("feature_layers", ())))
+    if "extra_norms" not in metadata:
+      raise ValueError("an EAGLE head in an earlier jspec layout: train it again")
+    return cls(config, tuple(int(i) for i in metadata["feature_layers"]), int(metadata["draft_vocab"]),
+               bool(metadata["fc_bias"]), bool(metadata["norm_before_residual"]), bool(metadata["extra_norms"]),
+               bool(metadata["own_embed"]))
 
   @classmethod
   def training_options(cls, flags: Any) -> dict:
     """`--feature-layers`: eagle3 (the default layers, trained on its own predictions for `--ttt-steps`),
-    last (EAGLE-1, with its feature regression), or the layers to fuse."""
+    last (EAGLE-1, with its feature regression), or the layers to fuse; `--draft-vocab`: EAGLE-3's vocabulary
+    (the training data's most frequent tokens; 0: the target's)."""
     if flags.feature_layers == "last":
       return {"feature_weight": 1.0, "feature_noise": 0.2}
     try:
@@ -125,61 +155,125 @@ class EagleDrafter(Drafter):
     except ValueError:
       raise ValueError(f"--feature-layers: expected eagle3, last or layers such as 1,4,6, got "
                        f"{flags.feature_layers!r}") from None
-    return {"feature_layers": layers, "ttt_steps": flags.ttt_steps}
+    return {"feature_layers": layers, "ttt_steps": flags.ttt_steps, "draft_vocab": flags.draft_vocab}
 
   @classmethod
   def for_training(cls, target_config: ModelConfig, options: dict) -> EagleDrafter:
-    """`options["feature_layers"]`: "eagle3" (the default layers), a list of layers, or absent (EAGLE-1)."""
+    """`options["feature_layers"]`: "eagle3" (the default layers), a list of layers, or absent (EAGLE-1);
+    `options["draft_vocab"]`: EAGLE-3's vocabulary size (0 or absent: the target's)."""
     layers = options.get("feature_layers", ())
     layers = default_feature_layers(target_config.n_layers) if layers == "eagle3" else tuple(layers)
     if any(not 0 <= i < target_config.n_layers for i in layers):
       raise ValueError(f"feature layers {list(layers)} outside the target's {target_config.n_layers} layers")
-    return cls.for_target(target_config, options.get("mlp_dim"), layers)
+    vocab = options.get("draft_vocab") or target_config.vocab_size
+    if layers and not 0 < vocab <= target_config.vocab_size:
+      raise ValueError(f"--draft-vocab {vocab}: choose at most the target's {target_config.vocab_size} tokens")
+    return cls.for_target(target_config, options.get("mlp_dim"), layers, vocab if layers else 0)
 
   @classmethod
   def for_target(cls, target_config: ModelConfig, mlp_dim: int | None = None,
-                 feature_layers: tuple[int, ...] = ()) -> EagleDrafter:
-    """An EAGLE head for a target: one layer like the target's last, at its width."""
-    return cls(dataclasses.replace(target_config, n_layers=1, mlp_dim=mlp_dim or target_config.mlp_dim,
-                                   sliding_windows=target_config.sliding_windows[-1:]), tuple(feature_layers))
+                 feature_layers: tuple[int, ...] = (), draft_vocab: int | None = None) -> EagleDrafter:
+    """An EAGLE head for a target: one layer like the target's last, at its width; EAGLE-1 with a bias on
+    `fc` as the EAGLE repository trains it, EAGLE-3 over `draft_vocab` tokens (default: all)."""
+    config = dataclasses.replace(target_config, n_layers=1, mlp_dim=mlp_dim or target_config.mlp_dim,
+                                 sliding_windows=target_config.sliding_windows[-1:])
+    if feature_layers:
+      return cls(config, tuple(feature_layers), draft_vocab or target_config.vocab_size)
+    return cls(config, fc_bias=True)
+
+  @property
+  def fused_layers(self) -> int:
+    """How many target layers EAGLE-3 fuses (the defaults are three)."""
+    return len(self.feature_layers) or 3
 
   def init_params(self, key: jax.Array) -> dict:
-    layer_key, fc_key, fuse_key = jax.random.split(key, 3)
-    d, dtype = self.config.dim, self.config.jnp_dtype
-    fc = jax.random.normal(fc_key, (2 * d, d)) * (2 * d) ** -0.5
-    params = {"fc": fc.astype(dtype), "layers": model.init_params(self.config, layer_key)["layers"],
-              "final_norm": jnp.ones((d,), dtype)}
-    if self.feature_layers:
-      width = len(self.feature_layers) * d
-      params.update(fuse=(jax.random.normal(fuse_key, (width, d)) * width ** -0.5).astype(dtype),
-                    fuse_norm=jnp.ones((d,), dtype))
+    layer_key, fc_key, head_key, embed_key, wide_key = jax.random.split(key, 5)
+    c, d, dtype = self.config, self.config.dim, self.config.jnp_dtype
+    dense = lambda k, shape: (jax.random.normal(k, shape) * shape[0] ** -0.5).astype(dtype)
+    layers = model.init_params(c, layer_key)["layers"]
+    params = {"layers": layers}
+    if self.own_embed:
+      params["embed"] = dense(embed_key, (c.vocab_size, d))
+    if self.is_eagle3:
+      q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+      wide = jax.random.split(wide_key, 3)
+      layers[0] = {k: v for k, v in layers[0].items() if k != "attn_norm"}
+      layers[0].update(wq=dense(wide[0], (2 * d, q)), wk=dense(wide[1], (2 * d, kv)), wv=dense(wide[2], (2 * d, kv)))
+      params.update(fuse=dense(fc_key, (self.feature_width, d)), embed_norm=jnp.ones((d,), dtype),
+                    hidden_norm=jnp.ones((d,), dtype), final_norm=jnp.ones((d,), dtype),
+                    lm_head=dense(head_key, (d, self.draft_vocab)),
+                    target_ids=jnp.arange(self.draft_vocab, dtype=jnp.int32))
+      return params
+    params["fc"] = dense(fc_key, (2 * d, d))
+    if self.fc_bias:
+      params["fc_bias"] = jnp.zeros((d,), dtype)
+    if self.extra_norms:
+      params["final_norm"] = jnp.ones((d,), dtype)
+    else:
+      layers[0] = {k: v for k, v in layers[0].items() if k != "attn_norm"}
     return params
+
+  def training_init(self, key: jax.Array, target_params: Any, token_counts: np.ndarray) -> tuple[dict, dict]:
+    """EAGLE-3's draft vocabulary is the data's `draft_vocab` most frequent tokens (frozen, in id order, as
+    the formats keep d2t), its LM head starting from the target's rows for them."""
+    params = self.init_params(key)
+    if not self.is_eagle3:
+      return params, {}
+    ids = np.sort(np.argsort(-np.asarray(token_counts), kind="stable")[:self.draft_vocab]).astype(np.int32)
+    params["lm_head"] = model.with_head(target_params)["lm_head"][:, ids].astype(self.config.jnp_dtype)
+    del params["target_ids"]
+    return params, {"target_ids": jnp.asarray(ids)}
 
   @property
   def feature_width(self) -> int:
     """The width of the target features it reads."""
-    return max(len(self.feature_layers), 1) * self.config.dim
+    return (self.fused_layers if self.is_eagle3 else 1) * self.config.dim
 
   def _fused(self, params, feature_BxSxF):
     """A target feature in the head's own feature space: EAGLE-3's fused layers, or EAGLE-1's as it is."""
-    if not self.feature_layers:
+    if not self.is_eagle3:
       return feature_BxSxF
-    return model.rms_norm(feature_BxSxF.astype(self.config.jnp_dtype) @ params["fuse"], params["fuse_norm"],
-                          self.config)
+    return feature_BxSxF.astype(self.config.jnp_dtype) @ params["fuse"]
 
   def _inputs(self, params, target_params, feature_BxSxD, tokens_BxS):
-    x = jnp.concatenate([feature_BxSxD.astype(self.config.jnp_dtype), target_params["embed"][tokens_BxS]], -1)
-    return x @ params["fc"]
+    """The first layer's residual stream and, for EAGLE-3, what its q/k/v read instead of its norm."""
+    embedded = (params if self.own_embed else target_params)["embed"][tokens_BxS]
+    feature = feature_BxSxD.astype(self.config.jnp_dtype)
+    if self.is_eagle3:
+      normed = model.rms_norm(feature, params["hidden_norm"], self.config)
+      first = jnp.concatenate([model.rms_norm(embedded, params["embed_norm"], self.config), normed], -1)
+      return (normed if self.norm_before_residual else feature), first
+    x = jnp.concatenate([embedded, feature], -1) @ params["fc"]
+    return (x + params["fc_bias"] if self.fc_bias else x), None
+
+  def unrolled(self, params, target_params, feature_BxSxD, tokens_BxS, positions_BxS, attend: model.AttendFn):
+    """Its output features over whole sequences without a cache, attention given by `attend` (training)."""
+    x, first = self._inputs(params, target_params, feature_BxSxD, tokens_BxS)
+    return self._features(params, model.layer_stack(params, x, positions_BxS, self.config, attend,
+                                                    first_input_BxSxA=first))
 
   def _features(self, params, x_BxSxD):
-    return model.rms_norm(x_BxSxD, params["final_norm"], self.config)
+    """The feature its layers' output stands for: the output itself, or normed (`extra_norms`)."""
+    return model.rms_norm(x_BxSxD, params["final_norm"], self.config) if self.extra_norms else x_BxSxD
+
+  def logits(self, params, target_params, feature_BxSxD: jax.Array) -> jax.Array:
+    """The draft distribution after each feature, over the target's vocabulary (fp32)."""
+    if not self.is_eagle3:
+      return model.logits_from_hidden(target_params, feature_BxSxD, self.config)
+    return onto_vocab(self._draft_logits(params, feature_BxSxD), params["target_ids"], self.config.vocab_size)
+
+  def _draft_logits(self, params, feature_BxSxD: jax.Array) -> jax.Array:
+    """EAGLE-3's own LM head on its normed output: logits over its draft vocabulary [B,S,W] (fp32)."""
+    normed = model.rms_norm(feature_BxSxD, params["final_norm"], self.config)
+    return jnp.einsum("bsd,dw->bsw", normed, params["lm_head"], preferred_element_type=jnp.float32)
 
   def step(self, params, target_params, cache, feature_BxSxD, next_tokens_BxS, positions_BxS,
            tree_BxSxA: jax.Array | None = None):
     """Predicted features of positions+1 for S (feature, next token) pairs; the cache advances by S. With a
     tree mask, each entry sees the cache and its ancestors among this round's entries."""
-    x = self._inputs(params, target_params, feature_BxSxD, next_tokens_BxS)
-    x, cache = model.cached_layer_stack(params, x, positions_BxS, cache, self.config, tree_BxSxA)
+    x, first = self._inputs(params, target_params, feature_BxSxD, next_tokens_BxS)
+    x, cache = model.cached_layer_stack(params, x, positions_BxS, cache, self.config, tree_BxSxA,
+                                        first_input_BxSxA=first)
     return self._features(params, x), cache
 
   def init(self, batch: int, capacity: int, draft_len: int) -> EagleState:
@@ -211,13 +305,13 @@ class EagleDrafter(Drafter):
               keys_KxBx2: jax.Array) -> tuple[EagleState, Proposal]:
     params, target_params = weights.drafter, weights.target
     feature_BxD, cache = self._catch_up(params, target_params, state, context.tokens_BxT, context.seq_lens_B)
-    logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None], self.config)[:, 0]
+    logits_BxV = self.logits(params, target_params, feature_BxD[:, None])[:, 0]
 
     def step(carry, token_B):
       cache, feature_BxD = carry
       feature, cache = self.step(params, target_params, cache, feature_BxD[:, None], token_B[:, None],
                                  cache.lengths[:, None])
-      return (cache, feature[:, 0]), model.logits_from_hidden(target_params, feature, self.config)[:, 0]
+      return (cache, feature[:, 0]), self.logits(params, target_params, feature)[:, 0]
 
     (cache, _), proposal = draft_chain(step, (cache, feature_BxD), logits_BxV, keys_KxBx2, context)
     return EagleState(cache, state.features), proposal
@@ -229,12 +323,12 @@ class EagleDrafter(Drafter):
     features, so nothing fed here needs to be kept."""
     params, target_params, n = weights.drafter, weights.target, context.seq_lens_B
     feature_BxD, cache = self._catch_up(params, target_params, state, context.tokens_BxT, n)
-    logits_BxV = model.logits_from_hidden(target_params, feature_BxD[:, None], self.config)[:, 0]
+    logits_BxV = self.logits(params, target_params, feature_BxD[:, None])[:, 0]
 
     def expand(cache, feature_BxGxD, tokens_BxG, tree_BxGxA, level):
       positions = jnp.broadcast_to((n - 2 + level)[:, None], tokens_BxG.shape)
       feature, cache = self.step(params, target_params, cache, feature_BxGxD, tokens_BxG, positions, tree_BxGxA)
-      return cache, model.logits_from_hidden(target_params, feature, self.config), feature
+      return cache, self.logits(params, target_params, feature), feature
 
     top_k = spec.tree.top_k
     parent_feature = jnp.broadcast_to(feature_BxD[:, None], (n.shape[0], top_k, feature_BxD.shape[-1]))
@@ -258,31 +352,31 @@ class EagleDrafter(Drafter):
     """EAGLE-1: teacher-forced on real features (with optional uniform noise of width
     `options["feature_noise"]`, as EAGLE trains), smooth-L1 feature regression (weighted by
     `options["feature_weight"]`) plus KL(target || draft) on the next-next token. EAGLE-3: `ttt_loss`."""
-    if self.feature_layers:
+    if self.is_eagle3:
       return self.ttt_loss(weights, hidden_BxSxD, target_logits_BxSxV, tokens_BxS, options.get("ttt_steps", 4))
     params, target_params = weights.drafter, weights.target
     feature_weight, noise = options.get("feature_weight", 1.0), options.get("feature_noise", 0.0)
     inputs = hidden_BxSxD[:, :-1]
     if noise:
       inputs = inputs + jax.random.uniform(key, inputs.shape, inputs.dtype, -noise / 2, noise / 2)
-    x = self._inputs(params, target_params, inputs, tokens_BxS[:, 1:])
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    x = model.layer_stack(params, x, positions, self.config, model.full_attention(self.config))
-    pred = self._features(params, x).astype(jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape[:2])
+    pred = self.unrolled(params, target_params, inputs, tokens_BxS[:, 1:], positions,
+                         model.full_attention(self.config)).astype(jnp.float32)
     regression = jnp.mean(losses.smooth_l1(pred, hidden_BxSxD[:, 1:].astype(jnp.float32)))
     return feature_weight * regression + losses.kl(target_logits_BxSxV[:, 1:],
-                                                   model.logits_from_hidden(target_params, pred, self.config))
+                                                   self.logits(params, target_params, pred))
 
   def ttt_loss(self, weights: DraftWeights, features_BxSxF: jax.Array, target_logits_BxSxV: jax.Array,
                tokens_BxS: jax.Array, steps: int) -> jax.Array:
     """Training-time test: step 0 reads the fused real features; step j reads step j-1's output one
     position back (what drafting feeds it), with the data's tokens; at position t step j predicts token
-    t + 2 and is scored by KL to the target's distribution there, over positions t >= j, weighted 0.8^j."""
+    t + 2 and is scored by KL to the target's distribution there (over the draft vocabulary, renormalized
+    on it), over positions t >= j, weighted 0.8^j."""
     params, target_params = weights.drafter, weights.target
     seq = tokens_BxS.shape[1] - 1
     positions = jnp.broadcast_to(jnp.arange(seq), (tokens_BxS.shape[0], seq))
     tokens = tokens_BxS[:, 1:]
-    teacher = jax.nn.log_softmax(target_logits_BxSxV[:, 1:], -1)
+    teacher = jax.nn.log_softmax(target_logits_BxSxV[:, 1:, params["target_ids"]], -1)
     feature = self._fused(params, features_BxSxF[:, :-1])
     keys, values, total, norm = [], [], 0.0, 0.0
     options = model.attention_options(self.config, 0)
@@ -292,10 +386,8 @@ class EagleDrafter(Drafter):
         values.append(v)
         return unrolled_attention(q, keys, values, options["scale"] or self.config.head_dim ** -0.5,
                                   options["softcap"])
-      x = model.layer_stack(params, self._inputs(params, target_params, feature, tokens), positions, self.config,
-                            attend)
-      out = self._features(params, x)
-      logq = jax.nn.log_softmax(model.logits_from_hidden(target_params, out, self.config), -1)
+      out = self.unrolled(params, target_params, feature, tokens, positions, attend)
+      logq = jax.nn.log_softmax(self._draft_logits(params, out), -1)
       kl_BxS = jnp.sum(jnp.exp(teacher) * (teacher - logq), -1)
       valid = (jnp.arange(seq) >= j).astype(jnp.float32)
       total = total + TTT_DECAY ** j * jnp.sum(kl_BxS * valid) / (jnp.sum(valid) * kl_BxS.shape[0])

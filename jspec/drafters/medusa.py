@@ -1,11 +1,14 @@
-"""Medusa heads (Cai et al. 2024): K residual SiLU blocks on the target's last feature, sharing its LM head.
+"""Medusa heads (Cai et al. 2024): K heads of residual SiLU blocks on the target's last feature.
 
 Head k (0-based) maps the feature at position t to a distribution over the token at t + 2 + k: the LM head
-itself already gives t + 1, the token the round starts from. As a chain, each head proposes one token and
-q is that head's distribution under the request's sampling transform, so verification stays exact. As a
-static tree (Medusa's `tree_choices`), the node at path (r_1, ..., r_d) is head d's r_d-th most likely
-token: children chosen deterministically, verified by `jspec.tree`'s top-k rule.
-Weights: `w [heads, D, D]`, `b [heads, D]`, zero-initialized so an untrained head repeats the LM head.
+itself already gives t + 1, the token the round starts from. Each head is `num_layers` blocks x + SiLU(x W
++ b) and an LM head: the target's (as jspec trains them), one of their own that all share (vLLM's
+`original_lm_head`), or one each (as FasterDecoding's Medusa trains them). As a chain, each head proposes
+one token and q is that head's distribution under the request's sampling transform, so verification stays
+exact. As a static tree (Medusa's `tree_choices`), the node at path (r_1, ..., r_d) is head d's r_d-th most
+likely token: children chosen deterministically, verified by `jspec.tree`'s top-k rule.
+Weights: `w [heads, layers, D, D]`, `b [heads, layers, D]`, zero-initialized so an untrained head repeats
+the LM head; with LM heads of their own, `lm_head [own_heads, D, V]`.
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ from jspec.settings import SpecConfig, TreeConfig
 
 @dataclasses.dataclass(frozen=True)
 class MedusaDrafter(Drafter):
-  config: ModelConfig  # the target's: the heads work at its width and share its LM head
+  config: ModelConfig  # the target's: the heads work at its width and read its features
   num_heads: int
+  num_layers: int = 1  # residual blocks per head
+  own_heads: int = 0  # LM heads of their own: 0 (they read the target's), 1 (one shared) or num_heads
   kind = "medusa"
   learning_rate = 1e-3
   supports_tree = True
@@ -45,7 +50,7 @@ class MedusaDrafter(Drafter):
     check_heads_fit(cls.kind, draft.drafter.config, target)
     if spec.draft_len > draft.drafter.num_heads:
       raise ValueError(f"draft_len {spec.draft_len} exceeds the {draft.drafter.num_heads} Medusa heads")
-    return draft.drafter
+    return dataclasses.replace(draft.drafter, config=target.config)  # the target's head and dtype, whatever loaded
 
   @classmethod
   def longest_draft(cls, draft) -> int:
@@ -61,11 +66,13 @@ class MedusaDrafter(Drafter):
     return dataclasses.replace(shape, choices=choices, nodes=len(choices))
 
   def metadata(self) -> dict:
-    return {"num_heads": self.num_heads}
+    return {"num_heads": self.num_heads, "num_layers": self.num_layers, "own_heads": self.own_heads}
 
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> MedusaDrafter:
-    return cls(config, int(metadata["num_heads"]))
+    if "num_layers" not in metadata:
+      raise ValueError("Medusa heads in an earlier jspec layout: train them again")
+    return cls(config, int(metadata["num_heads"]), int(metadata["num_layers"]), int(metadata["own_heads"]))
 
   @classmethod
   def training_options(cls, flags: Any) -> dict:
@@ -76,13 +83,29 @@ class MedusaDrafter(Drafter):
     return cls(target_config, options.get("num_heads", 5))
 
   def init_params(self, key: jax.Array | None = None) -> dict:
-    d, dtype = self.config.dim, self.config.jnp_dtype
-    return {"w": jnp.zeros((self.num_heads, d, d), dtype), "b": jnp.zeros((self.num_heads, d), dtype)}
+    d, dtype, shape = self.config.dim, self.config.jnp_dtype, (self.num_heads, self.num_layers)
+    params = {"w": jnp.zeros((*shape, d, d), dtype), "b": jnp.zeros((*shape, d), dtype)}
+    if self.own_heads:
+      params["lm_head"] = jnp.zeros((self.own_heads, d, self.config.vocab_size), dtype)
+    return params
 
   def head_features(self, params: dict, feature_BxSxD: jax.Array, heads: int) -> jax.Array:
-    """The first `heads` heads applied to every feature: [B,S,heads,D]."""
-    x = feature_BxSxD[:, :, None, :]
-    return x + jax.nn.silu(jnp.einsum("btd,kde->btke", feature_BxSxD, params["w"][:heads]) + params["b"][:heads])
+    """The first `heads` heads' blocks applied to every feature: [B,S,heads,D]."""
+    x = jnp.broadcast_to(feature_BxSxD[:, :, None, :], (*feature_BxSxD.shape[:2], heads, feature_BxSxD.shape[-1]))
+    for j in range(self.num_layers):
+      x = x + jax.nn.silu(jnp.einsum("btkd,kde->btke", x, params["w"][:heads, j]) + params["b"][:heads, j])
+    return x
+
+  def head_logits(self, weights: DraftWeights, x_BxSxKxD: jax.Array) -> jax.Array:
+    """Each head's LM head on its blocks' output: [B,S,K,V] in fp32."""
+    if not self.own_heads:
+      batch, seq, heads, dim = x_BxSxKxD.shape
+      flat = model.logits_from_hidden(weights.target, x_BxSxKxD.reshape(batch, seq * heads, dim), self.config)
+      return flat.reshape(batch, seq, heads, -1)
+    own = weights.drafter["lm_head"]
+    if self.own_heads == 1:
+      return jnp.einsum("btkd,dv->btkv", x_BxSxKxD, own[0], preferred_element_type=jnp.float32)
+    return jnp.einsum("btkd,kdv->btkv", x_BxSxKxD, own[:x_BxSxKxD.shape[2]], preferred_element_type=jnp.float32)
 
   def init(self, batch: int, capacity: int, draft_len: int) -> Features:
     return Features.zeros(batch, draft_len + 1, self.config.dim, self.config.jnp_dtype)
@@ -92,8 +115,7 @@ class MedusaDrafter(Drafter):
 
   def _head_logits(self, weights: DraftWeights, state: Features, seq_lens_B: jax.Array, heads: int) -> jax.Array:
     """The first `heads` heads' logits at the row's last feature, [B, heads, V]."""
-    heads_BxKxD = self.head_features(weights.drafter, state.last(seq_lens_B)[:, None], heads)[:, 0]
-    return model.logits_from_hidden(weights.target, heads_BxKxD, self.config)
+    return self.head_logits(weights, self.head_features(weights.drafter, state.last(seq_lens_B)[:, None], heads))[:, 0]
 
   def propose(self, weights: DraftWeights, state: Features, context: DraftContext,
               keys_KxBx2: jax.Array) -> tuple[Features, Proposal]:
@@ -119,11 +141,11 @@ class MedusaDrafter(Drafter):
   def loss(self, weights: DraftWeights, hidden_BxSxD: jax.Array, target_logits_BxSxV: jax.Array,
            tokens_BxS: jax.Array, key: jax.Array, options: dict) -> jax.Array:
     """Self-distillation: head k at position t matches the target's own distribution at t + 1 + k."""
-    seq, target_params = hidden_BxSxD.shape[1], weights.target
+    seq = hidden_BxSxD.shape[1]
     heads = self.head_features(weights.drafter, hidden_BxSxD, self.num_heads)
     total = 0.0
     for k in range(self.num_heads):
       shift = k + 1
-      total = total + losses.kl(target_logits_BxSxV[:, shift:],
-                                model.logits_from_hidden(target_params, heads[:, :seq - shift, k], self.config))
+      logits = self.head_logits(weights, heads[:, :seq - shift, k:k + 1])[:, :, 0]
+      total = total + losses.kl(target_logits_BxSxV[:, shift:], logits)
     return total / self.num_heads

@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--feature-layers", default="eagle3", metavar="eagle3|last|I,J,K",
                  help="EAGLE: the target layers the head reads: EAGLE-3's low, middle and high (default), the final "
                       "hidden state alone (EAGLE-1), or these 0-based layers")
+  p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                 help="EAGLE-3: draft over the N most frequent tokens of the data (as the published EAGLE-3 heads "
+                      "do; 0: the whole vocabulary)")
   p.add_argument("--ttt-steps", type=int, default=4,
                  help="EAGLE-3: steps the head is unrolled on its own features in training (training-time test)")
   p.add_argument("--draft-shape", metavar="JSON",
@@ -192,7 +195,7 @@ def draft_shape(config) -> dict:
           "max_seq_len": config.max_seq_len}
 
 
-def task_for(args: argparse.Namespace, target):
+def task_for(args: argparse.Namespace, target, token_counts: np.ndarray | None = None):
   from jspec.training import train
 
   tok = target.tokenizer
@@ -202,7 +205,7 @@ def task_for(args: argparse.Namespace, target):
     fields = {**fields, "vocab_size": target.config.vocab_size, "eos_id": target.config.eos_id,
               "bos_id": target.config.bos_id}
     return train.model_task(fields, tok, teacher=target, ce_weight=0.1)
-  return train.heads_task(target, args.kind, cls.training_options(args), tok)
+  return train.heads_task(target, args.kind, cls.training_options(args), tok, token_counts)
 
 
 def warm_started(task, directory: str):
@@ -254,9 +257,7 @@ def run(args: argparse.Namespace) -> dict:
   target = jspec.load(args.target, mesh=mesh)
   if not isinstance(target, jspec.Model):
     raise ValueError(f"--target {args.target}: a drafter, not a target model")
-  task = task_for(args, target)  # refuses bad options before any work
-  if args.warm_start:
-    task = warm_started(task, args.warm_start)
+  task_for(args, target)  # refuses bad options before any work
   out = pathlib.Path(args.out)
   workdir = pathlib.Path(args.workdir or f"{out}.work")
   streams, digest = tokenize(docs, target, workdir / "tokens")
@@ -266,6 +267,9 @@ def run(args: argparse.Namespace) -> dict:
   if args.sequences:
     continued = continue_parts(target, train_ids, workdir / "continuations" / digest[:16], args, mesh)
     train_ids = mixed(train_ids, continued, args.mix)
+  task = task_for(args, target, np.bincount(streams["train"], minlength=target.config.vocab_size))
+  if args.warm_start:
+    task = warm_started(task, args.warm_start)
   shards = {"train": train_ids, "validation": streams["heldout"]}
   if len(shards["validation"]) <= args.seq_len + 1:  # a small held-out slice validates on shorter windows
     shards["validation"] = np.resize(shards["validation"], args.seq_len + 2)

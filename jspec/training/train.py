@@ -71,24 +71,29 @@ def model_task(fields: dict, tok, teacher: model.Model | None = None, ce_weight:
                                                storage_dtype="bfloat16"))
 
 
-def heads_task(target: model.Model, kind: str, opts: dict, tok) -> Task:
+def heads_task(target: model.Model, kind: str, opts: dict, tok, token_counts: np.ndarray | None = None) -> Task:
   """Heads (Medusa, EAGLE, or any drafter whose `for_training` builds one) on a frozen target, trained with
-  the drafter's own `loss`; the metric is that loss on validation data."""
+  the drafter's own `loss`; the metric is that loss on validation data. `token_counts`: how often each target
+  token occurs in the training data (what an EAGLE-3 draft vocabulary is chosen from; default: all alike)."""
   if not same_vocab(target.tokenizer, tok):
     raise SystemExit("the target's tokenizer differs from the data's")
   drafter = registry.drafter_class(kind).for_training(target.config, opts)
+  counts = np.ones(target.config.vocab_size) if token_counts is None else token_counts
+  frozen = drafter.training_init(jax.random.PRNGKey(0), target.params, counts)[1]
 
   def loss(params, batch_BxS1):
     tokens = batch_BxS1[:, :-1]
     logits, hidden = jax.lax.stop_gradient(model.forward_full(target.params, tokens, target.config,
                                                               drafter.feature_layers))
     key = jax.random.fold_in(jax.random.PRNGKey(0), jnp.sum(batch_BxS1))  # noise varies with the batch
-    value = drafter.loss(drafters.DraftWeights(params, target.params), hidden, logits, tokens, key, opts)
+    value = drafter.loss(drafters.DraftWeights({**params, **frozen}, target.params), hidden, logits, tokens, key,
+                         opts)
     return value, value
 
-  return Task(description=f"{drafter.kind} heads", init=drafter.init_params, loss=loss,
+  return Task(description=f"{drafter.kind} heads",
+              init=lambda key: drafter.training_init(key, target.params, counts)[0], loss=loss,
               metric="validation_loss",
-              save=lambda params, out: checkpoint.save_heads(drafters.Heads(drafter, params), out,
+              save=lambda params, out: checkpoint.save_heads(drafters.Heads(drafter, {**params, **frozen}), out,
                                                            storage_dtype="bfloat16"))
 
 
