@@ -189,7 +189,10 @@ def load_draft(args: argparse.Namespace, load: Callable[[str | pathlib.Path], ob
     return None, None
   if args.draft is not None:
     log.info("loading the draft %s", args.draft)
-    return load(args.draft), args.drafter
+    draft = load(args.draft)
+    if getattr(draft, "source", ""):
+      log.info("%s: %s", args.draft, draft.source)
+    return draft, args.drafter
   drafter = args.drafter or shipped.DEFAULT_DRAFTER
   if drafter not in shipped.DRAFTS:
     return None, drafter

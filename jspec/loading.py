@@ -1,12 +1,13 @@
-"""`jspec.load`: one entry point above the checkpoint formats (jspec model or heads directories, Hugging
-Face model directories)."""
+"""`jspec.load`: one entry point above the checkpoint formats (jspec model or heads directories, published
+draft heads, Hugging Face model directories)."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
 
-from jspec import checkpoint, hf, model, registry, shipped, tokenizer
+from jspec import checkpoint, head_formats, hf, model, registry, shipped, tokenizer
 from jspec.config import default_dtype
 from jspec.drafters import Heads
 from jspec.model import Model
@@ -15,7 +16,8 @@ from jspec.settings import DTYPES
 
 def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model | Heads:
   """A model (a jspec checkpoint, a Hugging Face model directory of a family in `jspec.hf.FAMILIES`, or a
-  shipped pair's name such as "code" for its target), or trained Medusa/EAGLE heads (`Heads`).
+  shipped pair's name such as "code" for its target), or Medusa/EAGLE heads (`Heads`): jspec's own, or
+  published ones in a format of `jspec.head_formats` (EAGLE, EAGLE-3, speculators, Medusa).
 
   Parameters and activations use `dtype` ("float32" or "bfloat16"), by default fp32 on the CPU and bf16 on
   accelerators. With a `mesh` (`jspec.make_mesh`), each array is placed in its shards as it is read.
@@ -26,10 +28,13 @@ def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model
   path = shipped.resolve(path).absolute()
   if not path.is_dir():
     raise ValueError(f"{path}: no such checkpoint directory")
-  if hf.is_hf_dir(path):
-    return hf.load_hf(path, dtype or default_dtype(), mesh)
   if checkpoint.is_heads_dir(path):
     return checkpoint.load_heads(path, dtype, mesh)
+  found = head_formats.detect(path)
+  if found is not None:
+    return head_formats.load_head(path, found, dtype or default_dtype())  # placed on a mesh when decoding
+  if hf.is_hf_dir(path):
+    return hf.load_hf(path, dtype or default_dtype(), mesh)
   return checkpoint.load_model(path, dtype, mesh)
 
 
@@ -42,6 +47,10 @@ def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | H
   if dtype not in DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
   path = shipped.resolve(path).absolute()
+  found = head_formats.detect(path) if path.is_dir() and not checkpoint.is_heads_dir(path) else None
+  if found is not None:  # a published head: read (they are small beside their target), then only shapes kept
+    heads = head_formats.load_head(path, found, dtype)
+    return dataclasses.replace(heads, params=jax.eval_shape(lambda: heads.params))
   if path.is_dir():
     path = path / (checkpoint.HEADS_FILE if checkpoint.is_heads_dir(path) else "config.json")
   fields = checkpoint.read_json(path)
