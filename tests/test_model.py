@@ -106,7 +106,11 @@ def test_num_params_matches_tree():
     assert sum(x.size for x in jax.tree.leaves(params)) == num_params(config)
 
 
-def test_round_capacity_is_a_block_multiple_that_fits():
-  for tokens in [1, 127, 128, 129, 300, 1000, 4097]:
+def test_round_capacity_is_a_block_multiple_that_fits_closely_in_few_shapes():
+  for tokens in [1, 127, 128, 129, 300, 1000, 1025, 4097, 8192 + 20, 100_000]:
     cap = kvcache.round_capacity(tokens)
     assert cap >= tokens and cap % kvcache.BLOCK_SIZE == 0
+    assert cap <= max(tokens * 1.125, kvcache.BLOCK_SIZE) + kvcache.BLOCK_SIZE  # a block past 12.5% at most
+  assert kvcache.round_capacity(8192 + 20) == 9216
+  shapes = {kvcache.round_capacity(t) for t in range(1, 2 ** 17, 7)}
+  assert len(shapes) <= 8 + 8 * 10  # 8 exact, then 8 per doubling
