@@ -6,6 +6,7 @@ Parsing imports no JAX, so `--help` answers at once. User errors: one line on st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -56,11 +57,28 @@ def parser() -> argparse.ArgumentParser:
                       "available to this process)")
   g.add_argument("--memory-fraction", type=float, default=1.0, metavar="F",
                  help="share of each device's memory the deployment may use")
+  g.add_argument("--compile-for", default=None, metavar="tpu:CHIP:TOPOLOGY",
+                 help="also compile the decode program for this TPU topology (e.g. tpu:v5e:2x4; chips: v4, v5e, "
+                      "v5p, v6e) with abstract weights, and report XLA's memory per device and a roofline estimate "
+                      "of a step and a round (needs libtpu: pip install -e \".[tpu]\")")
   g.add_argument("--estimate", action="store_true",
                  help="estimate the workspace instead of compiling the decode program to measure it (it is "
                       "always estimated for other devices: with --device-memory or --mesh)")
   p.add_argument("--json", action="store_true", help="print the plan as JSON")
   return p
+
+
+def planned_dtype(args: argparse.Namespace) -> str | None:
+  """`--dtype`; else, for a device that is not here (`--device-memory`, `--compile-for`), what accelerators
+  run: the Hugging Face checkpoint's `torch_dtype` where jspec runs it in that dtype, else bfloat16; else None
+  (this machine's default)."""
+  if args.dtype is not None or (args.device_memory is None and args.compile_for is None):
+    return args.dtype
+  from jspec import checkpoint, shipped
+  path = shipped.resolve(args.target)
+  fields = checkpoint.read_json(path / "config.json" if path.is_dir() else path)
+  stated = fields.get("torch_dtype") or (fields.get("dtype") if "model_type" in fields else None)
+  return "float32" if stated == "float32" else "bfloat16"
 
 
 def plan(args: argparse.Namespace):
@@ -71,7 +89,19 @@ def plan(args: argparse.Namespace):
   for name in ("batch_size", "context", "prompt_len", "draft_len"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-  load = lambda path: loading.load_shapes(path, args.dtype)
+  compile_for = None
+  if args.compile_for is not None:
+    from jspec import accelerators
+    compile_for = accelerators.Target.parse(args.compile_for)
+    devices = len(compile_for.devices())  # no libtpu: one line, before anything loads
+    args.mesh = args.mesh or f"model={devices}"
+    sizes = sharding.mesh_sizes(args.mesh)
+    if sizes["data"] * sizes["model"] != devices:
+      raise ValueError(f"--mesh {args.mesh} needs {sizes['data'] * sizes['model']} devices; {args.compile_for} has "
+                       f"{devices}")
+    hbm = compile_for.chip.hbm_bytes * compile_for.chips // devices
+  dtype = planned_dtype(args)
+  load = lambda path: loading.load_shapes(path, dtype)
   target = load(args.target)
   if not isinstance(target, loading.Model):
     raise ValueError(f"--target {args.target}: heads, not a model")
@@ -87,7 +117,9 @@ def plan(args: argparse.Namespace):
   prompt_len = min(args.prompt_len or max(context // 2, 1), context - 1) or 1
   # The workspace is measured on the devices here, and estimated for other hardware.
   here = None if args.device_memory is not None or args.mesh else True
-  if args.device_memory is not None:
+  if compile_for is not None and args.device_memory is None:
+    available = (int(hbm * args.memory_fraction), f"{compile_for.chip_name} HBM per device")
+  elif args.device_memory is not None:
     available = (int(parse_bytes(args.device_memory) * args.memory_fraction), f"{args.device_memory} given")
   else:
     if mesh is not None and sizes["data"] * sizes["model"] > 1:
@@ -95,9 +127,18 @@ def plan(args: argparse.Namespace):
     available = machine.budget(None, args.memory_fraction)
   measured = None if args.estimate or here is None else shaped.compiled_workspace_per_row(
       decoder, args.batch_size, context, prompt_len, mesh, args.serving)
-  return memory.make_plan(decoder, args.batch_size, context, prompt_len, mesh=mesh,
-                          shard_draft=not args.replicate_draft, memory=available, workspace_per_row=measured,
-                          serving=args.serving), drafter
+  result = memory.make_plan(decoder, args.batch_size, context, prompt_len, mesh=mesh,
+                            shard_draft=not args.replicate_draft, memory=available, workspace_per_row=measured,
+                            serving=args.serving)
+  report = None
+  if compile_for is not None:
+    from jspec import accelerators
+    width, capacity = memory.shape(decoder, context, prompt_len, args.serving)
+    fixed = None if spec is None else shaped.shaped_decoder(target, draft, dataclasses.replace(spec, adaptive=None),
+                                                            args.batch_size)  # a round of K, not every K's branch
+    report = accelerators.compile_for(compile_for, decoder, args.batch_size, width, capacity, args.mesh,
+                                      not args.replicate_draft, fixed)
+  return result, drafter, report
 
 
 def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
@@ -117,12 +158,39 @@ def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
   return "\n".join(lines)
 
 
+def describe_compiled(r, tau: float = 3.0) -> str:
+  """What XLA compiled for the topology, beside the plan; the times are labelled estimates."""
+  from jspec.memory import gb
+  c, chip = r.program, r.per_device
+  return "\n".join([
+      f"compiled for tpu:{r.target.chip_name}:{r.target.topology} by XLA ({r.devices} devices), per device:",
+      f"  {'arguments':<24}{gb(c.argument_bytes):>12}", f"  {'temporaries':<24}{gb(c.temp_bytes):>12}",
+      f"  {'output':<24}{gb(c.output_bytes):>12}", f"  {'generated code':<24}{gb(c.code_bytes):>12}",
+      f"  {'total':<24}{gb(c.total_bytes):>12} of {gb(chip.hbm_bytes)} HBM: {'fits' if r.fits else 'does NOT fit'}",
+      f"  estimate (XLA's FLOPs and bytes over {chip.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
+      f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s): plain step {r.plain_step_s * 1e3:.3f} ms, round of K = "
+      f"{r.draft_len} {r.round_s * 1e3:.3f} ms = {r.round_cost:.2f} plain steps; at τ = {tau:g}: "
+      f"{r.speedup(tau):.2f}x (estimate)"])
+
+
+def compiled_json(r, tau: float = 3.0) -> dict:
+  return {"topology": f"tpu:{r.target.chip_name}:{r.target.topology}", "devices": r.devices,
+          **{k: getattr(r.program, k) for k in ("argument_bytes", "temp_bytes", "output_bytes", "code_bytes",
+                                                "total_bytes", "flops", "bytes_accessed")},
+          "hbm_bytes": r.per_device.hbm_bytes, "fits": r.fits, "estimated_plain_step_s": r.plain_step_s,
+          "estimated_round_s": r.round_s, "estimated_round_cost": r.round_cost,
+          f"estimated_speedup_at_tau_{tau:g}": r.speedup(tau), "chip_source": r.target.chip.source}
+
+
 @flags.command
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
   flags.show_status(not args.json)
-  result, drafter = plan(args)
-  print(json.dumps(result.to_json()) if args.json else describe(result, args, drafter))
+  result, drafter, report = plan(args)
+  if args.json:
+    print(json.dumps({**result.to_json(), **({"compiled": compiled_json(report)} if report else {})}))
+  else:
+    print(describe(result, args, drafter) + ("\n" + describe_compiled(report) if report else ""))
   return 0
 
 

@@ -175,6 +175,8 @@ def place(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
   """Host or device arrays -> global arrays on the mesh (replicated where `specs` is None).
 
   Built from each process's own copy with `make_array_from_callback`, so it also works across processes.
+  Shapes (`jax.ShapeDtypeStruct`) stay shapes, given the sharding: a program lowered for a mesh of devices
+  that are not here (`jspec.accelerators`).
   """
   if specs is None:
     specs = jax.tree.map(lambda _: PartitionSpec(), tree)
@@ -182,6 +184,8 @@ def place(tree: Any, mesh: Mesh, specs: Any = None) -> Any:
   def put(x, spec):
     if x is None:  # an absent part (a batch without constraints)
       return None
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
   return jax.tree.map(put, tree, specs, is_leaf=lambda x: x is None)

@@ -177,6 +177,8 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
     assert name in out
   assert out["device_memory_bytes"] == 2 * 10 ** 6 and out["devices"] == 2
   assert out["fits"] == (out["total_bytes"] <= out["device_memory_bytes"])
+  assert plan.main([*args, "--json", "--dtype", "float32"]) == 0  # another device is planned in bf16 unless told
+  assert json.loads(capsys.readouterr().out)["weights_bytes"] == 2 * out["weights_bytes"]
   assert plan.main(args) == 0
   text = capsys.readouterr().out
   assert "target KV cache" in text and "largest batch at 512 tokens" in text
@@ -190,7 +192,48 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
 def test_the_plan_shapes_caches_as_generate_and_the_engine_do():
   m = testing.random_model()
   decoder = make_decoder(m, None, None, 1)
-  assert memory.shape(decoder, 300, 16) == (16, request.capacity(16, 284, decoder.headroom)) == (16, 512)
+  assert memory.shape(decoder, 300, 16) == (16, request.capacity(16, 284, decoder.headroom)) == (16, 384)
   assert memory.shape(decoder, 300, 299, serving=True) == (384, 384)
   assert jspec.make_engine(m, slots=1, max_len=300).capacity == 384
   assert kvcache.BLOCK_SIZE == 128
+
+
+def _libtpu() -> bool:
+  import importlib.util
+  return importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.mark.skipif(not _libtpu(), reason="no libtpu: pip install -e '.[tpu]'")
+def test_compile_for_a_tpu_topology_agrees_with_the_plan(tmp_path, capsys):
+  """The decode program compiled ahead of time for four v5e chips (Mosaic and XLA's TPU passes run here):
+  XLA's arguments per device are the plan's weights per device, its temporaries hold the plan's KV caches
+  and no more than they and the estimated workspace; the round costs more than a plain step (estimates)."""
+  # TPU-shaped: widths in whole 128-lane tiles, so XLA's layouts pad nothing the plan does not count
+  config = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024}
+  (tmp_path / "target.json").write_text(json.dumps(config))
+  args = ["--target", str(tmp_path / "target.json"), "--drafter", "ngram", "--batch-size", "8", "--context", "1024",
+          "--compile-for", "tpu:v5e:2x2", "--json"]
+  assert plan.main(args) == 0
+  out = json.loads(capsys.readouterr().out)
+  compiled = out["compiled"]
+  assert out["devices"] == compiled["devices"] == 4 and out["device_memory_bytes"] == 16 * 10 ** 9  # a v5e chip
+  weights = out["weights_bytes"] + out["draft_weights_bytes"]
+  assert weights <= compiled["argument_bytes"] <= weights * 1.01 + 2 ** 16  # + the requests
+  caches = out["kv_cache_bytes"] + out["draft_kv_cache_bytes"]
+  assert caches <= compiled["temp_bytes"] <= caches + out["workspace_bytes"]
+  assert compiled["fits"] and compiled["estimated_round_cost"] > 1.0
+
+
+def test_compile_for_refuses_what_it_cannot_compile_in_one_line(tmp_path, capsys, monkeypatch):
+  rng = np.random.default_rng(0)
+  (tmp_path / "target.json").write_text(json.dumps(_hf_config("llama", rng, 300)))
+  base = ["--target", str(tmp_path / "target.json"), "--no-draft"]
+  assert plan.main([*base, "--compile-for", "gpu:h100"]) == 2
+  assert "expected tpu:CHIP:TOPOLOGY" in capsys.readouterr().err
+  if not _libtpu():
+    assert plan.main([*base, "--compile-for", "tpu:v5e:2x2"]) == 2
+    assert 'pip install -e ".[tpu]"' in capsys.readouterr().err
+  else:
+    assert plan.main([*base, "--compile-for", "tpu:v5e:2x2", "--mesh", "model=2"]) == 2
+    assert "needs 2 devices; tpu:v5e:2x2 has 4" in capsys.readouterr().err

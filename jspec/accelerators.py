@@ -1,0 +1,163 @@
+"""jspec's programs compiled for accelerators that are not here: TPU topologies, from any machine.
+
+With `libtpu` installed (`pip install -e ".[tpu]"`), `jax.experimental.topologies` gives a topology's devices
+without owning them; the decode program, lowered with abstract weights sharded over a mesh of them, compiles
+for that hardware (Mosaic kernels included), and the executable says what XLA will allocate per device
+(`memory_analysis`) and how many FLOPs and bytes it moves (`cost_analysis`). The time estimates divide those
+by a chip's public peak figures (`CHIPS`): a roofline, not a measurement.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from jspec import decode, memory, programs, sharding
+from jspec.decoder import Decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator chip's public figures."""
+  hbm_bytes: int
+  hbm_bytes_per_s: float
+  bf16_flops_per_s: float
+  source: str
+
+
+CHIPS = {
+    "v4": Chip(32 * 2 ** 30, 1200e9, 275e12, "https://cloud.google.com/tpu/docs/v4"),
+    "v5e": Chip(16 * 10 ** 9, 819e9, 197e12, "https://cloud.google.com/tpu/docs/v5e"),
+    "v5p": Chip(95 * 10 ** 9, 2765e9, 459e12, "https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip(32 * 10 ** 9, 1638e9, 918e12, "https://cloud.google.com/tpu/docs/v6e"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """`tpu:v5e:2x4`: a chip and a topology of it."""
+  chip_name: str
+  topology: str
+
+  @classmethod
+  def parse(cls, text: str) -> Target:
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] != "tpu" or parts[1] not in CHIPS or not all(
+        d.isdigit() and int(d) > 0 for d in parts[2].split("x")):
+      raise ValueError(f"--compile-for: expected tpu:CHIP:TOPOLOGY with CHIP one of {', '.join(CHIPS)} (e.g. "
+                       f"tpu:v5e:2x4), got {text!r}")
+    return cls(parts[1], parts[2])
+
+  @property
+  def chip(self) -> Chip:
+    return CHIPS[self.chip_name]
+
+  @property
+  def chips(self) -> int:
+    return math.prod(int(d) for d in self.topology.split("x"))
+
+  def devices(self) -> list:
+    """The topology's abstract devices (libtpu's); a missing libtpu is a one-line ValueError."""
+    try:
+      from jax.experimental import topologies
+      return list(topologies.get_topology_desc(f"{self.chip_name}:{self.topology}", platform="tpu").devices)
+    except Exception as e:  # no libtpu, or a topology it does not know: both say so in their message
+      raise ValueError(f"--compile-for tpu:{self.chip_name}:{self.topology}: no TPU compiler here ("
+                       f"{' '.join(str(e).split())[:160]}); install it with pip install -e \".[tpu]\"") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """What XLA says of one executable, per device."""
+  argument_bytes: int
+  temp_bytes: int
+  output_bytes: int
+  code_bytes: int
+  flops: float
+  bytes_accessed: float
+
+  @property
+  def total_bytes(self) -> int:
+    return self.argument_bytes + self.temp_bytes + self.output_bytes + self.code_bytes
+
+
+def compiled(lowered) -> Compiled:
+  executable = lowered.compile()
+  m = executable.memory_analysis()
+  cost = executable.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, list) else cost
+  return Compiled(int(m.argument_size_in_bytes), int(m.temp_size_in_bytes), int(m.output_size_in_bytes),
+                  int(m.generated_code_size_in_bytes), float(cost.get("flops", 0.0)),
+                  float(cost.get("bytes accessed", 0.0)))
+
+
+def _start_then(step):
+  """A batch's prefill followed by `step` (a plain step or a speculative round), one program returning the
+  whole state (so nothing either computes is left out): its cost less the prefill's alone is the step's."""
+  return lambda decoder, requests: step(decoder, decode.start(decoder, requests))
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The decode program compiled for a topology, and a roofline estimate of a plain step and a round."""
+  target: Target
+  devices: int
+  program: Compiled
+  plain_step_s: float
+  round_s: float
+  draft_len: int
+
+  @property
+  def per_device(self) -> Chip:
+    """The chip's figures per device (a v4 chip is two devices)."""
+    share = self.target.chips / self.devices
+    c = self.target.chip
+    return Chip(int(c.hbm_bytes * share), c.hbm_bytes_per_s * share, c.bf16_flops_per_s * share, c.source)
+
+  @property
+  def fits(self) -> bool:
+    return self.program.total_bytes <= self.per_device.hbm_bytes
+
+  @property
+  def round_cost(self) -> float:
+    """A round in plain steps: jspec's cost model for this hardware, from the compiler."""
+    return self.round_s / self.plain_step_s
+
+  def speedup(self, tau: float) -> float:
+    """The speedup a round that commits τ tokens on average would give (estimate)."""
+    return tau / self.round_cost
+
+
+def roofline_seconds(cost: Compiled, chip: Chip) -> float:
+  """The larger of memory time and compute time: what the chip cannot beat."""
+  return max(cost.bytes_accessed / chip.hbm_bytes_per_s, cost.flops / chip.bf16_flops_per_s)
+
+
+def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int, capacity: int,
+                mesh_spec: str | None = None, shard_draft: bool = True, round_decoder: Decoder | None = None) -> Report:
+  """Compiles the decode program of `decoder` (abstract weights: `jspec.shaped.shaped_decoder`) for
+  `target`'s devices, on `mesh_spec` (default: every device on the model axis), and estimates a plain step
+  and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
+  round would count every K's branch) from the cost of the prefill alone and of the prefill followed by
+  each. XLA counts a loop's body once: the drafter's chained steps inside a round count as one."""
+  devices = target.devices()
+  mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
+  place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
+  placed = place(decoder)
+  requests = sharding.place(memory.abstract_requests(placed, batch, prompt_width, capacity), mesh)
+  program = compiled(programs.lower(placed, requests))
+  placed = placed if round_decoder is None else place(round_decoder)
+  explicit = lambda f: jax.jit(f, in_shardings=jax.tree.map(lambda x: x.sharding, (placed, requests)))
+  prefill = compiled(explicit(_start_then(lambda d, state: state)).lower(placed, requests))
+  per_device = Report(target, len(devices), program, 0.0, 0.0, 0).per_device
+  step_time = lambda step: roofline_seconds(_less(compiled(explicit(_start_then(step)).lower(placed, requests)),
+                                                  prefill), per_device)
+  plain = step_time(decode.autoregressive_step)
+  spec_round = step_time(decode.speculative_step) if placed.drafter is not None else plain
+  return Report(target, len(devices), program, plain, spec_round, placed.draft_len)
+
+
+def _less(a: Compiled, b: Compiled) -> Compiled:
+  return dataclasses.replace(a, flops=max(a.flops - b.flops, 0.0), bytes_accessed=max(a.bytes_accessed
+                                                                                    - b.bytes_accessed, 0.0))
