@@ -57,6 +57,12 @@ class Target:
   def chips(self) -> int:
     return math.prod(int(d) for d in self.topology.split("x"))
 
+  def per_device(self, devices: int) -> Chip:
+    """The chip's figures per device of a topology of `devices` devices (a v4 chip is two)."""
+    share = self.chips / devices
+    c = self.chip
+    return Chip(int(c.hbm_bytes * share), c.hbm_bytes_per_s * share, c.bf16_flops_per_s * share, c.source)
+
   def devices(self) -> list:
     """The topology's abstract devices (libtpu's); a missing libtpu is a one-line ValueError."""
     try:
@@ -110,10 +116,7 @@ class Report:
 
   @property
   def per_device(self) -> Chip:
-    """The chip's figures per device (a v4 chip is two devices)."""
-    share = self.target.chips / self.devices
-    c = self.target.chip
-    return Chip(int(c.hbm_bytes * share), c.hbm_bytes_per_s * share, c.bf16_flops_per_s * share, c.source)
+    return self.target.per_device(self.devices)
 
   @property
   def fits(self) -> bool:
@@ -150,7 +153,7 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   placed = placed if round_decoder is None else place(round_decoder)
   explicit = lambda f: jax.jit(f, in_shardings=jax.tree.map(lambda x: x.sharding, (placed, requests)))
   prefill = compiled(explicit(_start_then(lambda d, state: state)).lower(placed, requests))
-  per_device = Report(target, len(devices), program, 0.0, 0.0, 0).per_device
+  per_device = target.per_device(len(devices))
   step_time = lambda step: roofline_seconds(_less(compiled(explicit(_start_then(step)).lower(placed, requests)),
                                                   prefill), per_device)
   plain = step_time(decode.autoregressive_step)

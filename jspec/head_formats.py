@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 from jspec import hf, model
 from jspec.config import ModelConfig
 from jspec.drafters import Heads
-from jspec.drafters.eagle import EagleDrafter
+from jspec.drafters.eagle import EagleDrafter, default_feature_layers
 from jspec.drafters.medusa import MedusaDrafter
 from jspec.tensor_files import read_tensors
 
@@ -123,8 +123,7 @@ class _Tensors:
 def load_head(path: pathlib.Path, found: Found, dtype: str) -> Heads:
   """A published head as jspec `Heads` (`source` names its format)."""
   read = {"eagle": _eagle1, "eagle3": _eagle3, "speculators": _speculators, "medusa": _medusa}[found.format]
-  heads = read(path, found, _Tensors(found, path, dtype), dtype)
-  return heads
+  return read(path, found, _Tensors(found, path, dtype), dtype)
 
 
 def _layer_config(fields: dict, dtype: str, tensors: _Tensors, prefix: str) -> ModelConfig:
@@ -367,17 +366,13 @@ def _eagle3_tensors(heads: Heads, layer_prefix) -> dict[str, np.ndarray]:
 
 def _write_eagle3_repo(heads: Heads, target, verifier: str) -> tuple[dict, dict]:
   d = heads.drafter
-  if d.config.n_layers != 1 or d.norm_before_residual or d.feature_layers != _repo_layers(target):
+  if d.config.n_layers != 1 or d.norm_before_residual or \
+      d.feature_layers != default_feature_layers(target.config.n_layers):
     raise ValueError("the EAGLE repository's EAGLE-3 layout holds one layer reading the default target layers; "
                      "write this head as speculators")
   config = {**_llama_config(d.config, 1), "architectures": ["LlamaForCausalLMEagle3"],
             "draft_vocab_size": d.draft_vocab, "target_hidden_size": d.config.dim}
   return config, _eagle3_tensors(heads, lambda i: "midlayer.")
-
-
-def _repo_layers(target) -> tuple[int, ...]:
-  from jspec.drafters.eagle import default_feature_layers
-  return default_feature_layers(target.config.n_layers)
 
 
 def _write_speculators(heads: Heads, target, verifier: str) -> tuple[dict, dict]:

@@ -99,7 +99,7 @@ def plan(args: argparse.Namespace):
     if sizes["data"] * sizes["model"] != devices:
       raise ValueError(f"--mesh {args.mesh} needs {sizes['data'] * sizes['model']} devices; {args.compile_for} has "
                        f"{devices}")
-    hbm = compile_for.chip.hbm_bytes * compile_for.chips // devices
+    hbm = compile_for.per_device(devices).hbm_bytes
   dtype = planned_dtype(args)
   load = lambda path: loading.load_shapes(path, dtype)
   target = load(args.target)
