@@ -123,7 +123,7 @@ class _Tensors:
 def load_head(path: pathlib.Path, found: Found, dtype: str) -> Heads:
   """A published head as jspec `Heads` (`source` names its format)."""
   read = {"eagle": _eagle1, "eagle3": _eagle3, "speculators": _speculators, "medusa": _medusa}[found.format]
-  return read(path, found, _Tensors(found, path, dtype), dtype)
+  return read(found, _Tensors(found, path, dtype), dtype)
 
 
 def _layer_config(fields: dict, dtype: str, tensors: _Tensors, prefix: str) -> ModelConfig:
@@ -171,7 +171,7 @@ def _eagle1_heads(config: ModelConfig, tensors: _Tensors, fc: str, layer_prefix,
   return Heads(EagleDrafter(config, fc_bias=fc_bias, own_embed=own_embed), params, source=source)
 
 
-def _eagle1(path: pathlib.Path, found: Found, tensors: _Tensors, dtype: str) -> Heads:
+def _eagle1(found: Found, tensors: _Tensors, dtype: str) -> Heads:
   config = _layer_config(found.config, dtype, tensors, "layers.0.")
   return _eagle1_heads(config, tensors, "fc", lambda i: f"layers.{i}.", "an EAGLE-1/2 head (EAGLE repository)")
 
@@ -216,7 +216,7 @@ def _eagle3_heads(config: ModelConfig, tensors: _Tensors, layer_prefix, layer_id
   return Heads(drafter, params, source=source)
 
 
-def _eagle3(path: pathlib.Path, found: Found, tensors: _Tensors, dtype: str) -> Heads:
+def _eagle3(found: Found, tensors: _Tensors, dtype: str) -> Heads:
   fields = found.config
   if fields.get("target_hidden_size") not in (None, fields.get("hidden_size")):
     raise ValueError(f"a head of width {fields.get('hidden_size')} on a target of width "
@@ -225,7 +225,7 @@ def _eagle3(path: pathlib.Path, found: Found, tensors: _Tensors, dtype: str) -> 
   return _eagle3_heads(config, tensors, lambda i: "midlayer.", None, False, "an EAGLE-3 head (EAGLE repository)")
 
 
-def _speculators(path: pathlib.Path, found: Found, tensors: _Tensors, dtype: str) -> Heads:
+def _speculators(found: Found, tensors: _Tensors, dtype: str) -> Heads:
   fields, kind = found.config, found.config["speculators_model_type"]
   layer_fields = fields.get("transformer_layer_config") or {}
   if kind == "eagle3":
@@ -246,7 +246,7 @@ def _speculators(path: pathlib.Path, found: Found, tensors: _Tensors, dtype: str
   raise ValueError(f"speculators_model_type {kind!r}: jspec reads eagle3 and eagle")
 
 
-def _medusa(path: pathlib.Path, found: Found, tensors: _Tensors, dtype: str) -> Heads:
+def _medusa(found: Found, tensors: _Tensors, dtype: str) -> Heads:
   fields = found.config
   vllm = tensors.has("blocks.0.layers.0.weight")
   heads = int(fields.get("medusa_num_heads") or fields.get("num_heads") or 0)

@@ -369,15 +369,13 @@ def test_trained_eagle3_heads_export_and_load_back_identically(targets, tmp_path
   """A jspec EAGLE-3 head over a reduced vocabulary, written by `python -m jspec.convert --to` and read
   back: the same drafter, the same weights, the same logits."""
   _, target, target_dir = targets["llama"]
-  drafter = jspec.drafters.EagleDrafter.for_target(target.config, feature_layers=(1, 3, 4), draft_vocab=DRAFT_VOCAB)
-  trained, frozen = drafter.training_init(jax.random.PRNGKey(0), target.params, np.arange(VOCAB)[::-1])
-  heads = testing.random_heads(drafter)
-  heads = jspec.drafters.Heads(drafter, {**heads.params, **frozen})
+  heads = testing.random_eagle3(target, draft_vocab=DRAFT_VOCAB)  # the default layers of 8: 1, 3, 4
+  drafter = heads.drafter
   jspec.checkpoint.save_heads(heads, tmp_path / "ours")
   assert convert.main(["--to", fmt, str(tmp_path / "ours"), str(tmp_path / fmt), "--target", str(target_dir)]) == 0
   back = jspec.load(tmp_path / fmt)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(load_shapes(tmp_path / fmt).params))
-  aux = model.forward_full(target.params, jnp.asarray(TOKENS[:, :-1]), target.config, (1, 3, 4))[1]
+  aux = model.forward_full(target.params, jnp.asarray(TOKENS[:, :-1]), target.config, drafter.feature_layers)[1]
   tokens = TOKENS[:, 1:].numpy()
   np.testing.assert_array_equal(jspec_logits(back, target, aux, tokens), jspec_logits(heads, target, aux, tokens))
   assert back.drafter.for_pair(target, back, None) == drafter
@@ -438,9 +436,7 @@ def test_speculators_package_agrees(targets, tmp_path):
   from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
   m, target, target_dir = targets["llama"]
-  drafter = jspec.drafters.EagleDrafter.for_target(target.config, feature_layers=(1, 3, 4), draft_vocab=DRAFT_VOCAB)
-  _, frozen = drafter.training_init(jax.random.PRNGKey(0), target.params, np.arange(VOCAB)[::-1])
-  heads = jspec.drafters.Heads(drafter, {**testing.random_heads(drafter, scale=1.0).params, **frozen})
+  heads = testing.random_eagle3(target, scale=1.0, draft_vocab=DRAFT_VOCAB)
   jspec.checkpoint.save_heads(heads, tmp_path / "ours")
   out = tmp_path / "speculators"
   assert convert.main(["--to", "speculators", str(tmp_path / "ours"), str(out), "--target", str(target_dir)]) == 0

@@ -191,13 +191,14 @@ class EagleDrafter(Drafter):
     c, d, dtype = self.config, self.config.dim, self.config.jnp_dtype
     dense = lambda k, shape: (jax.random.normal(k, shape) * shape[0] ** -0.5).astype(dtype)
     layers = model.init_params(c, layer_key)["layers"]
+    if not self.extra_norms:  # the first layer attends from its input (EAGLE-1) or from [embed ; feature] (EAGLE-3)
+      layers[0] = {k: v for k, v in layers[0].items() if k != "attn_norm"}
     params = {"layers": layers}
     if self.own_embed:
       params["embed"] = dense(embed_key, (c.vocab_size, d))
     if self.is_eagle3:
       q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
       wide = jax.random.split(wide_key, 3)
-      layers[0] = {k: v for k, v in layers[0].items() if k != "attn_norm"}
       layers[0].update(wq=dense(wide[0], (2 * d, q)), wk=dense(wide[1], (2 * d, kv)), wv=dense(wide[2], (2 * d, kv)))
       params.update(fuse=dense(fc_key, (self.feature_width, d)), embed_norm=jnp.ones((d,), dtype),
                     hidden_norm=jnp.ones((d,), dtype), final_norm=jnp.ones((d,), dtype),
@@ -209,8 +210,6 @@ class EagleDrafter(Drafter):
       params["fc_bias"] = jnp.zeros((d,), dtype)
     if self.extra_norms:
       params["final_norm"] = jnp.ones((d,), dtype)
-    else:
-      layers[0] = {k: v for k, v in layers[0].items() if k != "attn_norm"}
     return params
 
   def training_init(self, key: jax.Array, target_params: Any, token_counts: np.ndarray) -> tuple[dict, dict]:
