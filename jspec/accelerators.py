@@ -12,8 +12,10 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jspec import decode, memory, programs, sharding
+from jspec import attention, decode, memory, programs, request, sharding
 from jspec.decoder import Decoder
 
 
@@ -82,10 +84,11 @@ class Compiled:
   code_bytes: int
   flops: float
   bytes_accessed: float
+  alias_bytes: int = 0  # outputs that reuse a donated argument's buffer
 
   @property
   def total_bytes(self) -> int:
-    return self.argument_bytes + self.temp_bytes + self.output_bytes + self.code_bytes
+    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes + self.code_bytes
 
 
 def compiled(lowered) -> Compiled:
@@ -95,7 +98,7 @@ def compiled(lowered) -> Compiled:
   cost = cost[0] if isinstance(cost, list) else cost
   return Compiled(int(m.argument_size_in_bytes), int(m.temp_size_in_bytes), int(m.output_size_in_bytes),
                   int(m.generated_code_size_in_bytes), float(cost.get("flops", 0.0)),
-                  float(cost.get("bytes accessed", 0.0)))
+                  float(cost.get("bytes accessed", 0.0)), int(m.alias_size_in_bytes))
 
 
 def _start_then(step):
@@ -106,13 +109,17 @@ def _start_then(step):
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-  """The decode program compiled for a topology, and a roofline estimate of a plain step and a round."""
+  """The decode program compiled for a topology, and a roofline estimate of a plain step and a round;
+  with `serving`, the server's programs too (or why they cannot run there)."""
   target: Target
   devices: int
   program: Compiled
   plain_step_s: float
   round_s: float
   draft_len: int
+  attention: str  # what reads the caches: "Pallas TPU kernel" or "XLA loop"
+  server: dict[str, Compiled] | None = None  # "segment", "insert"
+  server_refused: str | None = None
 
   @property
   def per_device(self) -> Chip:
@@ -138,12 +145,14 @@ def roofline_seconds(cost: Compiled, chip: Chip) -> float:
 
 
 def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int, capacity: int,
-                mesh_spec: str | None = None, shard_draft: bool = True, round_decoder: Decoder | None = None) -> Report:
+                mesh_spec: str | None = None, shard_draft: bool = True, round_decoder: Decoder | None = None,
+                serving: bool = False) -> Report:
   """Compiles the decode program of `decoder` (abstract weights: `jspec.shaped.shaped_decoder`) for
   `target`'s devices, on `mesh_spec` (default: every device on the model axis), and estimates a plain step
   and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
   round would count every K's branch) from the cost of the prefill alone and of the prefill followed by
-  each. XLA counts a loop's body once: the drafter's chained steps inside a round count as one."""
+  each. XLA counts a loop's body once: the drafter's chained steps inside a round count as one. With
+  `serving`, also the server's programs for `batch` slots (`compile_server`)."""
   devices = target.devices()
   mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
   place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
@@ -158,7 +167,42 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
                                                   prefill), per_device)
   plain = step_time(decode.autoregressive_step)
   spec_round = step_time(decode.speculative_step) if placed.drafter is not None else plain
-  return Report(target, len(devices), program, plain, spec_round, placed.draft_len)
+  kernel = attention.select_kernel(decoder.attention, "tpu")
+  report = Report(target, len(devices), program, plain, spec_round, placed.draft_len,
+                  "XLA loop" if kernel is None else "Pallas TPU kernel")
+  if not serving:
+    return report
+  placed = place(decoder)
+  refused = server_refusal(placed)
+  return dataclasses.replace(report, server_refused=refused,
+                             server=None if refused else compile_server(placed, batch, prompt_width, capacity))
+
+
+def server_refusal(decoder: Decoder) -> str | None:
+  """Why the server cannot run a decoder placed on a mesh (None: it can)."""
+  if decoder.layout.target_cache.heads_major:
+    return ("the server inserts requests into batch rows, and this mesh splits the caches by kv head (serve "
+            "with --mesh data=N, or a model split that keeps kv heads whole)")
+  return None
+
+
+def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: int) -> dict[str, Compiled]:
+  """The server's programs (`jspec.scheduler.Engine`) for a decoder placed on a mesh: a segment of the loop
+  over every slot and the insert of a request of `prompt_width` tokens into a running state. The state
+  lives between calls (donated to each), so a segment's arguments hold it beside the weights. The caches
+  must be laid out by batch row (`rows.insert`)."""
+  mesh = decoder.layout.mesh
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  idle = sharding.place(memory.abstract_requests(decoder, slots, request.prompt_bucket(1), capacity), mesh)
+  start = lambda d, r: decode.start(d, r, capacity)
+  started = jax.jit(start, in_shardings=shardings((decoder, idle))).lower(decoder, idle).compile()
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       jax.eval_shape(start, decoder, idle), started.output_shardings)
+  one = sharding.place(memory.abstract_requests(decoder, 1, prompt_width, capacity), mesh)
+  scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+  return {"segment": compiled(programs.resume_rows.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
+                                                         scalar(jnp.bool_, (slots,)), width=slots)),
+          "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)))}
 
 
 def _less(a: Compiled, b: Compiled) -> Compiled:

@@ -82,7 +82,7 @@ def _prepare(target: Model, prompts, options: Options, batch_size: int | None,
   if isinstance(sampling, list) and len(sampling) != len(prompt_ids):
     raise ValueError(f"got sampling settings for {len(sampling)} rows, not {len(prompt_ids)}")
   rows = min(batch_size or len(prompt_ids), len(prompt_ids)) or 1
-  decoder = make_decoder(target, options.draft, spec, rows, _mesh_shape(options.mesh))
+  decoder = make_decoder(target, options.draft, spec, rows, _mesh_shape(options.mesh), options.attention)
   check_prompts(decoder, prompt_ids, options.max_new_tokens)
   return prompt_ids, decoder
 
@@ -110,6 +110,7 @@ class Options:
   mesh: Mesh | None = None
   shard_draft: bool = True
   constraint: Constraints = None
+  attention: str = "auto"
 
 
 def _with_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -156,7 +157,9 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, opt
 
   With a `mesh` (`jspec.make_mesh("data=D,model=M")`), parameters and caches are sharded by the rules in
   `jspec.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs as one
-  SPMD program on the mesh, across processes when `jax.distributed` is initialized.
+  SPMD program on the mesh, across processes when `jax.distributed` is initialized. `attention` picks how
+  attention reads the caches: "auto" (the Pallas kernel of a TPU or GPU, the reference loop on a CPU),
+  "xla" (that loop everywhere), "tpu" or "gpu" (that kernel; interpreted on a CPU).
   """
   o = options
   sampling = _sampling(o)
@@ -211,10 +214,10 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, batch
 def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: SpecConfig | None = None,
                 slots: int | None = DEFAULT_SLOTS, max_len: int | None = None, mesh: Mesh | None = None,
                 shard_draft: bool = True, segment_rounds: int = SEGMENT_ROUNDS,
-                memory_fraction: float = 1.0) -> Engine:
+                memory_fraction: float = 1.0, attention: str = "auto") -> Engine:
   """An online `Engine` over `slots` rows of up to `max_len` tokens each (default: the model's context):
   `add` requests (`jspec.Request`) at any time, from any thread, `abort` them, and `step` it for their
-  text deltas. The models and `spec` are as for `generate`. Segments run at the narrowest batch width
+  text deltas. The models, `spec` and `attention` are as for `generate`. Segments run at the narrowest batch width
   that holds the busy rows, and the adaptive policy reads the costs of that width, so a full engine
   decodes plainly and a quiet one speculates.
 
@@ -228,7 +231,7 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
     slots = max(min(fit, DEFAULT_SLOTS), 1)  # none fits: the engine says why
   if not (isinstance(slots, numbers.Integral) and slots >= 1):
     raise ValueError(f"slots must be an integer >= 1, got {slots}")
-  decoder = make_decoder(target, draft, spec, slots, _mesh_shape(mesh))
+  decoder = make_decoder(target, draft, spec, slots, _mesh_shape(mesh), attention)
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
   return Engine(decoder, target.tokenizer, slots=slots, max_len=max_len, segment_rounds=segment_rounds,

@@ -5,6 +5,10 @@ heads-major on a mesh), each kv head serving Q = H / J query heads.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -14,6 +18,31 @@ from jspec.cache import BLOCK_SIZE
 # Masked logits: finite, so a block that a row cannot see at all leaves no NaN in the online softmax (its
 # weights vanish once a visible block raises the running max, and every query sees at least itself).
 MASKED = -1e30
+
+
+KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu"}  # a kernel's backend -> the jax platform it compiles for
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """A Pallas kernel for cached attention (`jspec.pallas_attention`), static in a program: hashable."""
+  backend: str  # "tpu" or "gpu"
+  interpret: bool = False  # run through Pallas' interpreter (on a CPU)
+  mesh: Any = None  # the program's mesh: the kernel then runs on each device over its own cache rows
+  row_spec: Any = None  # how the cache's row axis is split on that mesh (a PartitionSpec entry)
+
+
+def select_kernel(attention: str, platform: str) -> Kernel | None:
+  """The kernel `--attention` asks for on a program for `platform` ("cpu", "tpu", "gpu"); None: the
+  reference loop. `attention` is one of `ATTENTION_CHOICES` (`make_decoder` checks). A kernel for another
+  accelerator than the program's is refused; on a CPU it is interpreted."""
+  if attention == "auto":
+    return next((Kernel(b) for b, p in KERNEL_PLATFORMS.items() if p == platform), None)
+  if attention == "xla":
+    return None
+  if platform not in (KERNEL_PLATFORMS[attention], "cpu"):
+    raise ValueError(f"the {attention} attention kernel does not run on {platform}")
+  return Kernel(attention, interpret=platform == "cpu")
 
 
 def _scores(s: jax.Array, softcap: float | None) -> jax.Array:
@@ -33,9 +62,56 @@ def _per_row(x_BxS: jax.Array, kv_heads: int, group: int, heads_major: bool) -> 
   return x.reshape(batch * kv_heads, group * seq, *x_BxS.shape[2:])
 
 
+@flax.struct.dataclass
+class QueryRows:
+  """S new queries per batch row, in the cache's row order: query head g of kv head j of row b is entry
+  g*S + s of buffer row b*J + j (or j*B + b)."""
+  q_XxQSxDh: jax.Array  # scaled, in the cache's dtype
+  qpos_XxQS: jax.Array  # each query's position
+  first_X: jax.Array  # the first slot a row's queries may see (0 without a window)
+  end_X: jax.Array  # one past the last slot they may see: the row's length + S
+  base_X: jax.Array | None = None  # trees: the slot of the first tree entry
+  tree_XxQSxA: jax.Array | None = None  # trees: which entries each query sees
+
+
+def query_rows(q_BxSxHxDh: jax.Array, kv_heads: int, lengths_B: jax.Array, heads_major: bool, window: int,
+               scale: float | None, dtype, tree_BxSxA: jax.Array | None) -> QueryRows:
+  """The queries of `cached_attention` laid out per cache row, with what each may see."""
+  batch, seq, heads, head_dim = q_BxSxHxDh.shape
+  group = heads // kv_heads
+  scale = head_dim ** -0.5 if scale is None else scale
+  to_rows = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)
+  q_BxJxQxSxDh = q_BxSxHxDh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+  q_XxQSxDh = (q_BxJxQxSxDh.transpose(*to_rows, 4).reshape(batch * kv_heads, group * seq, head_dim) * scale
+               ).astype(dtype)
+  per_row = lambda x_BxS: _per_row(x_BxS, kv_heads, group, heads_major)
+  first_query_B = lengths_B
+  base_X = tree_XxQSxA = None
+  if tree_BxSxA is None:
+    qpos_XxQS = per_row(lengths_B[:, None] + jnp.arange(seq)[None, :])
+  else:
+    first_query_B = lengths_B + seq - tree_BxSxA.shape[2]
+    qpos_XxQS = per_row(first_query_B[:, None] + jnp.sum(tree_BxSxA, -1) - 1)
+    base_X, tree_XxQSxA = per_row(first_query_B[:, None])[:, 0], per_row(tree_BxSxA)
+  first_B = jnp.maximum(first_query_B + 1 - window, 0) if window else jnp.zeros_like(lengths_B)
+  return QueryRows(q_XxQSxDh, qpos_XxQS, per_row(first_B[:, None])[:, 0], per_row(lengths_B[:, None] + seq)[:, 0],
+                   base_X, tree_XxQSxA)
+
+
+def from_rows(out_XxQSxDh: jax.Array, batch: int, seq: int, heads_major: bool, dtype) -> jax.Array:
+  """`query_rows`' layout back to [B, S, H, Dh]."""
+  rows, group_seq, head_dim = out_XxQSxDh.shape
+  kv_heads, group = rows // batch, group_seq // seq
+  to_rows = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)
+  out = out_XxQSxDh.reshape(*((kv_heads, batch) if heads_major else (batch, kv_heads)), group, seq,
+                            head_dim).transpose(*to_rows, 4)  # [B, J, Q, S, Dh]
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, kv_heads * group, head_dim).astype(dtype)
+
+
 def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, lengths_B: jax.Array,
                      heads_major: bool = False, window: int = 0, softcap: float | None = None,
-                     scale: float | None = None, tree_BxSxA: jax.Array | None = None) -> jax.Array:
+                     scale: float | None = None, tree_BxSxA: jax.Array | None = None,
+                     kernel: Kernel | None = None) -> jax.Array:
   """Causal attention of S new queries over a cache that already holds them.
 
   Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i` (and, with a
@@ -43,34 +119,24 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   are the last S of A tree entries written from slot `base = lengths[b] + S - A` on: query i sees the
   slots before `base` and tree entry j when `tree_BxSxA[b, i, j]` (j is i or an ancestor), and its
   position is `base` plus its depth (its ancestors but itself). Trees must be shallower than the window.
+  `scale` multiplies the logits (default head_dim ** -0.5); `softcap` bounds them as Gemma 2 does.
 
-  The loop runs over the blocks of BLOCK_SIZE slots that some query can see, with an online softmax, so a
-  step costs what the rows hold, not what the cache could hold. `scale` multiplies the logits (default
-  head_dim ** -0.5); `softcap` bounds them as Gemma 2 does.
+  `kernel`: a Pallas kernel for the accelerator (`jspec.pallas_attention`); None runs the reference below,
+  the CPU's path: a loop over the blocks of BLOCK_SIZE slots that some query can see, with an online
+  softmax, so a step costs what the rows hold, not what the cache could hold.
   """
   batch, seq, heads, head_dim = q_BxSxHxDh.shape
   rows, capacity, _ = k_XxTxDh.shape
-  kv_heads = rows // batch
-  group = heads // kv_heads
+  rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, window, scale, k_XxTxDh.dtype, tree_BxSxA)
+  if kernel is not None:
+    from jspec import pallas_attention  # Pallas is imported only where a kernel runs
+    out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap)
+    return from_rows(out, batch, seq, heads_major, q_BxSxHxDh.dtype)
   block = min(BLOCK_SIZE, capacity)
-  scale = head_dim ** -0.5 if scale is None else scale
-
-  # Queries in the cache's row order: [B, J, Q, S] (or [J, B, Q, S]) flattened to [X, Q*S].
-  to_rows = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)
-  q_BxJxQxSxDh = q_BxSxHxDh.reshape(batch, seq, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
-  q_XxQSxDh = (q_BxJxQxSxDh.transpose(*to_rows, 4).reshape(rows, group * seq, head_dim) * scale
-               ).astype(k_XxTxDh.dtype)
-  per_row = lambda x_BxS: _per_row(x_BxS, kv_heads, group, heads_major)
-  if tree_BxSxA is None:
-    qpos_XxQS = per_row(lengths_B[:, None] + jnp.arange(seq)[None, :])
-  else:
-    entries = tree_BxSxA.shape[2]
-    base_B = lengths_B + seq - entries
-    qpos_XxQS = per_row(base_B[:, None] + jnp.sum(tree_BxSxA, -1) - 1)
-    base_X, tree_XxQSxA = per_row(base_B[:, None])[:, 0], per_row(tree_BxSxA)
-  first_query_B = lengths_B if tree_BxSxA is None else base_B
-  end_block = (jnp.max(lengths_B) + seq + block - 1) // block
-  first_block = jnp.maximum(jnp.min(first_query_B) + 1 - window, 0) // block if window else 0
+  q_XxQSxDh, qpos_XxQS, tree_XxQSxA = rows_.q_XxQSxDh, rows_.qpos_XxQS, rows_.tree_XxQSxA
+  group_seq = q_XxQSxDh.shape[1]
+  end_block = (jnp.max(rows_.end_X) + block - 1) // block
+  first_block = jnp.min(rows_.first_X) // block
 
   def attend_block(i, carry):
     max_XxQS, sum_XxQS, acc_XxQSxDh = carry
@@ -79,9 +145,10 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
     s_XxQSxT = _scores(jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32), softcap)
     kpos_T = i * block + jnp.arange(block)
     visible = _visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window)
-    if tree_BxSxA is not None:  # tree entries: ancestors only
-      rel_XxT = kpos_T[None, :] - base_X[:, None]
-      entry_XxQSxT = jnp.broadcast_to(jnp.clip(rel_XxT, 0, entries - 1)[:, None, :], (rows, group * seq, block))
+    if tree_XxQSxA is not None:  # tree entries: ancestors only
+      entries = tree_XxQSxA.shape[2]
+      rel_XxT = kpos_T[None, :] - rows_.base_X[:, None]
+      entry_XxQSxT = jnp.broadcast_to(jnp.clip(rel_XxT, 0, entries - 1)[:, None, :], (rows, group_seq, block))
       is_ancestor = jnp.take_along_axis(tree_XxQSxA, entry_XxQSxT, axis=2)
       visible = jnp.where((rel_XxT < 0)[:, None, :], visible, (rel_XxT < entries)[:, None, :] & is_ancestor)
     s_XxQSxT = jnp.where(visible, s_XxQSxT, MASKED)
@@ -91,12 +158,10 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
     pv = jnp.einsum("xqt,xtd->xqd", p_XxQSxT.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     return new_max, sum_XxQS * rescale + p_XxQSxT.sum(-1), acc_XxQSxDh * rescale[..., None] + pv
 
-  init = (jnp.full((rows, group * seq), MASKED, jnp.float32), jnp.zeros((rows, group * seq), jnp.float32),
-          jnp.zeros((rows, group * seq, head_dim), jnp.float32))
+  init = (jnp.full((rows, group_seq), MASKED, jnp.float32), jnp.zeros((rows, group_seq), jnp.float32),
+          jnp.zeros((rows, group_seq, head_dim), jnp.float32))
   _, sum_XxQS, acc = lax.fori_loop(first_block, end_block, attend_block, init)
-  out = (acc / sum_XxQS[..., None]).reshape(*((kv_heads, batch) if heads_major else (batch, kv_heads)),
-                                            group, seq, head_dim).transpose(*to_rows, 4)  # [B, J, Q, S, Dh]
-  return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, head_dim).astype(q_BxSxHxDh.dtype)
+  return from_rows(acc / sum_XxQS[..., None], batch, seq, heads_major, q_BxSxHxDh.dtype)
 
 
 def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxJxDh: jax.Array, v_BxSxJxDh: jax.Array, window: int = 0,

@@ -169,7 +169,8 @@ def run_batch(args: argparse.Namespace, target, models: dict, prompts: list[str]
                      enumerate(zip(prompts, result.texts, result.token_ids, result.request_stats))],
          "stats": result.stats.to_dict(), "baseline": None, "speedup": None}
   if args.baseline:
-    plain = lambda: jspec.generate(target, prompts, seed=args.seed, mesh=models["mesh"], **sampling)
+    plain = lambda: jspec.generate(target, prompts, seed=args.seed, mesh=models["mesh"], attention=models["attention"],
+                                   **sampling)
     base = plain()  # both have now run once untimed: compiled, and the caches warm
     from jspec.timing import interleaved_runs
     walls = interleaved_runs({"speculative": lambda: speculative().stats.wall_seconds,

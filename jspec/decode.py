@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import adaptive, model, tree
+from jspec import adaptive, attention, model, tree
 from jspec import cache as kvcache
 from jspec.automaton import Automata
 from jspec.control import run_if, run_switch
@@ -86,10 +86,13 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None) -
                               spec.trace_rounds if drafter is not None else 0),
       stop_BxE=requests.stop_BxE.astype(jnp.int32), speculate_B=requests.speculate_B.astype(bool),
       constraint=requests.constraint)
-  # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it).
+  # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it), and attends
+  # with the kernel of the platform the program is for (a mesh's devices may be another machine's).
   final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
+  platform = decoder.layout.mesh.devices.flat[0].platform if decoder.layout is not None else jax.default_backend()
+  kernel = attention.select_kernel(decoder.attention, platform)
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
-  with_len = lambda x: x.replace(rope_len=final_len_B) if is_cache(x) else x
+  with_len = lambda x: x.replace(rope_len=final_len_B, kernel=kernel) if is_cache(x) else x
   return state.replace(target_cache=with_len(state.target_cache),
                        drafter_state=jax.tree.map(with_len, state.drafter_state, is_leaf=is_cache))
 

@@ -16,7 +16,7 @@ from jspec.config import ModelConfig
 from jspec.drafters import Drafter, Heads, ModelDrafter
 from jspec.drafters.base import DraftWeights
 from jspec.model import Model
-from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec.settings import ATTENTION_CHOICES, AdaptiveConfig, CostModel, SpecConfig
 
 
 @flax.struct.dataclass
@@ -31,6 +31,7 @@ class Decoder:
   drafter: Drafter | None = flax.struct.field(pytree_node=False, default=None)
   spec: SpecConfig | None = flax.struct.field(pytree_node=False, default=None)
   layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.sharding.Layout on a mesh
+  attention: str = flax.struct.field(pytree_node=False, default="auto")  # `settings.ATTENTION_CHOICES`
 
   @property
   def adaptive(self) -> AdaptiveConfig | None:
@@ -74,18 +75,20 @@ def drafter_kind(draft: Model | Heads) -> str:
 
 
 def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | None, batch: int,
-                 mesh_shape: tuple[int, ...] = (1, 1)) -> Decoder:
+                 mesh_shape: tuple[int, ...] = (1, 1), attention: str = "auto") -> Decoder:
   """The decoder for a batch of `batch` rows. Plain decoding when neither a draft nor `spec.drafter` is
   given, or, without adaptive K, when the batch reaches `spec.disable_at_batch_size` (with it, the
   policy steps aside per round, from the rows running). Mismatches are one-line ValueErrors. The adaptive
   policy's cost model is the one `jspec.costs.cost_model` picks for these models on a mesh of
-  `mesh_shape`.
+  `mesh_shape`. `attention` picks the attention implementation (`settings.ATTENTION_CHOICES`).
 
   The target's LM head is made explicit here (`model.with_head`), once, so every program and every step
   driven by hand runs with it."""
   spec = spec or SpecConfig()
+  if attention not in ATTENTION_CHOICES:
+    raise ValueError(f"attention {attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
   target_params = model.with_head(target.params)
-  plain = Decoder(target_params, target_config=target.config)
+  plain = Decoder(target_params, target_config=target.config, attention=attention)
   kind = spec.drafter or (None if draft is None else drafter_kind(draft))
   if kind is None:
     return plain
@@ -122,7 +125,7 @@ def make_decoder(target: Model, draft: Model | Heads | None, spec: SpecConfig | 
       longest = drafter.context_len or target.config.max_seq_len  # and never by more than a text it holds
       drafter = drafter.with_max_lag(min(policy.probe_interval + 1, longest))
   spec = dataclasses.replace(spec, drafter=kind, adaptive=policy, disable_at_batch_size=None)
-  return Decoder(target_params, params, target_config=target.config, drafter=drafter, spec=spec)
+  return Decoder(target_params, params, target_config=target.config, drafter=drafter, spec=spec, attention=attention)
 
 
 def _tree_spec(target: Model, drafter: Drafter, spec: SpecConfig, measured: CostModel | None) -> SpecConfig:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import jspec
 from jspec import shipped
 from jspec.settings import (
+  ATTENTION_CHOICES,
   DEFAULT_TREE,
   DRAFTERS,
   DTYPES,
@@ -143,6 +144,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                  help="keep compiled programs here, so later runs load them instead of compiling "
                       "(default: $JSPEC_COMPILE_CACHE, else jspec/xla under the user's cache directory)")
   g.add_argument("--no-compile-cache", action="store_true", help="compile every run from scratch")
+  g.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                 help="how attention reads the KV caches: auto (a Pallas kernel on TPUs and GPUs, the XLA loop on "
+                      "CPUs), xla (that loop everywhere), tpu or gpu (that kernel; interpreted on a CPU)")
 
   g = p.add_argument_group("distributed")
   g.add_argument("--mesh", default=None, metavar="SPEC",
@@ -204,7 +208,7 @@ def load_draft(args: argparse.Namespace, load: Callable[[str | pathlib.Path], ob
 
 
 def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model, dict]:
-  """The target, and the model keywords of `jspec.generate` (draft, spec, mesh, shard_draft) the flags
+  """The target, and the model keywords of `jspec.generate` (draft, spec, mesh, shard_draft, attention) the flags
   ask for; `spec` is `speculation(args)`."""
   mesh = jspec.make_mesh(args.mesh) if args.mesh else None
   log.info("loading the target %s", args.target)
@@ -212,7 +216,8 @@ def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model
   draft_mesh = None if args.replicate_draft else mesh
   draft, drafter = load_draft(args, lambda path: jspec.load(path, dtype=args.dtype, mesh=draft_mesh))
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
-  return target, dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft)
+  return target, dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft,
+                      attention=args.attention)
 
 
 def init_distributed(args: argparse.Namespace) -> bool:

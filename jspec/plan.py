@@ -137,7 +137,7 @@ def plan(args: argparse.Namespace):
     fixed = None if spec is None else shaped.shaped_decoder(target, draft, dataclasses.replace(spec, adaptive=None),
                                                             args.batch_size)  # a round of K, not every K's branch
     report = accelerators.compile_for(compile_for, decoder, args.batch_size, width, capacity, args.mesh,
-                                      not args.replicate_draft, fixed)
+                                      not args.replicate_draft, fixed, args.serving)
   return result, drafter, report
 
 
@@ -170,7 +170,18 @@ def describe_compiled(r, tau: float = 3.0) -> str:
       f"  estimate (XLA's FLOPs and bytes over {chip.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
       f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s): plain step {r.plain_step_s * 1e3:.3f} ms, round of K = "
       f"{r.draft_len} {r.round_s * 1e3:.3f} ms = {r.round_cost:.2f} plain steps; at τ = {tau:g}: "
-      f"{r.speedup(tau):.2f}x (estimate)"])
+      f"{r.speedup(tau):.2f}x (estimate)", f"  attention: {r.attention}", *_describe_server(r)])
+
+
+def _describe_server(r) -> list[str]:
+  if r.server_refused:
+    return [f"  the server's programs: not compiled: {r.server_refused}"]
+  if r.server is None:
+    return []
+  from jspec.memory import gb
+  return [f"  server's {name} program: arguments {gb(c.argument_bytes)}, temporaries {gb(c.temp_bytes)}, total "
+          f"{gb(c.total_bytes)}: {'fits' if c.total_bytes <= r.per_device.hbm_bytes else 'does NOT fit'}"
+          for name, c in r.server.items()]
 
 
 def compiled_json(r, tau: float = 3.0) -> dict:
@@ -179,7 +190,10 @@ def compiled_json(r, tau: float = 3.0) -> dict:
                                                 "total_bytes", "flops", "bytes_accessed")},
           "hbm_bytes": r.per_device.hbm_bytes, "fits": r.fits, "estimated_plain_step_s": r.plain_step_s,
           "estimated_round_s": r.round_s, "estimated_round_cost": r.round_cost,
-          f"estimated_speedup_at_tau_{tau:g}": r.speedup(tau), "chip_source": r.target.chip.source}
+          f"estimated_speedup_at_tau_{tau:g}": r.speedup(tau), "chip_source": r.target.chip.source,
+          "attention": r.attention, "server_refused": r.server_refused,
+          "server": r.server and {name: {k: getattr(c, k) for k in ("argument_bytes", "temp_bytes", "total_bytes")}
+                                  for name, c in r.server.items()}}
 
 
 @flags.command

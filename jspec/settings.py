@@ -13,6 +13,10 @@ import os
 
 from jspec import registry
 
+# `--attention`: auto runs the platform's Pallas kernel on TPUs and GPUs and the reference loop on CPUs; xla
+# is that loop everywhere; tpu and gpu name a kernel (on a CPU it is interpreted: slow, for tests).
+ATTENTION_CHOICES = ("auto", "xla", "tpu", "gpu")
+
 # The drafter kinds registered when jspec loads (`jspec.registry`; a drafter registered later is valid too).
 DRAFTERS = registry.kinds()
 # The longest draft a request may ask for. Every K up to it is its own compiled branch under adaptive

@@ -152,8 +152,10 @@ class Layout:
     to their specs; the loop keeps them there."""
     def pin(layout: CacheLayout):
       constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, layout.spec))
+      kernel = lambda c: c.kernel and dataclasses.replace(c.kernel, mesh=self.mesh, row_spec=layout.spec[0]
+                                                          if layout.spec else None)
       return lambda c: c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)),
-                                 heads_major=layout.heads_major)
+                                 heads_major=layout.heads_major, kernel=kernel(c))
     is_cache = lambda x: isinstance(x, KVCache)
     return state.replace(
         target_cache=pin(self.target_cache)(state.target_cache),

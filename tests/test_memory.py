@@ -207,22 +207,28 @@ def _libtpu() -> bool:
 def test_compile_for_a_tpu_topology_agrees_with_the_plan(tmp_path, capsys):
   """The decode program compiled ahead of time for four v5e chips (Mosaic and XLA's TPU passes run here):
   XLA's arguments per device are the plan's weights per device, its temporaries hold the plan's KV caches
-  and no more than they and the estimated workspace; the round costs more than a plain step (estimates)."""
+  and no more than they and the estimated workspace; the round costs more than a plain step (estimates); the
+  server's programs compile too."""
   # TPU-shaped: widths in whole 128-lane tiles, so XLA's layouts pad nothing the plan does not count
   config = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024}
   (tmp_path / "target.json").write_text(json.dumps(config))
   args = ["--target", str(tmp_path / "target.json"), "--drafter", "ngram", "--batch-size", "8", "--context", "1024",
           "--compile-for", "tpu:v5e:2x2", "--json"]
-  assert plan.main(args) == 0
+  # A server's plan on a mesh that splits the batch: the decode program, and the server's segment and insert
+  # programs, whose arguments hold the state it keeps between calls (both caches) beside the weights.
+  assert plan.main([*args, "--serving", "--mesh", "data=4"]) == 0
   out = json.loads(capsys.readouterr().out)
   compiled = out["compiled"]
+  assert compiled["attention"] == "Pallas TPU kernel"
   assert out["devices"] == compiled["devices"] == 4 and out["device_memory_bytes"] == 16 * 10 ** 9  # a v5e chip
   weights = out["weights_bytes"] + out["draft_weights_bytes"]
   assert weights <= compiled["argument_bytes"] <= weights * 1.01 + 2 ** 16  # + the requests
   caches = out["kv_cache_bytes"] + out["draft_kv_cache_bytes"]
   assert caches <= compiled["temp_bytes"] <= caches + out["workspace_bytes"]
   assert compiled["fits"] and compiled["estimated_round_cost"] > 1.0
+  server = compiled["server"]
+  assert server["segment"]["argument_bytes"] >= weights + caches and server["insert"]["argument_bytes"] >= caches
 
 
 def test_compile_for_refuses_what_it_cannot_compile_in_one_line(tmp_path, capsys, monkeypatch):
@@ -237,3 +243,10 @@ def test_compile_for_refuses_what_it_cannot_compile_in_one_line(tmp_path, capsys
   else:
     assert plan.main([*base, "--compile-for", "tpu:v5e:2x2", "--mesh", "model=2"]) == 2
     assert "needs 2 devices; tpu:v5e:2x2 has 4" in capsys.readouterr().err
+    # A mesh that splits kv heads cannot take the server's inserts: said instead of its programs' memory.
+    from jspec import accelerators, loading, shaped, sharding
+    decoder = shaped.shaped_decoder(loading.load_shapes(tmp_path / "target.json", "bfloat16"), None, None, 4)
+    devices = accelerators.Target.parse("tpu:v5e:2x2").devices()
+    on = lambda spec: sharding.place_decoder(sharding.make_mesh(spec, devices), decoder, 4)
+    assert "splits the caches by kv head" in accelerators.server_refusal(on("model=4"))
+    assert accelerators.server_refusal(on("data=4")) is None
