@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jspec import attention, decode, memory, programs, request, sharding
+from jspec import decode, memory, pallas_attention, programs, request, sharding
 from jspec.decoder import Decoder
 
 
@@ -167,7 +167,7 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
                                                   prefill), per_device)
   plain = step_time(decode.autoregressive_step)
   spec_round = step_time(decode.speculative_step) if placed.drafter is not None else plain
-  kernel = attention.select_kernel(decoder.attention, "tpu")
+  kernel = pallas_attention.select_kernel(decoder.attention, "tpu")
   report = Report(target, len(devices), program, plain, spec_round, placed.draft_len,
                   "XLA loop" if kernel is None else "Pallas TPU kernel")
   if not serving:

@@ -5,53 +5,14 @@ heads-major on a mesh), each kv head serving Q = H / J query heads.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec import masking, pallas_attention
 from jspec.cache import BLOCK_SIZE
-
-# Masked logits: finite, so a block that a row cannot see at all leaves no NaN in the online softmax (its
-# weights vanish once a visible block raises the running max, and every query sees at least itself).
-MASKED = -1e30
-
-
-KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu"}  # a kernel's backend -> the jax platform it compiles for
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-  """A Pallas kernel for cached attention (`jspec.pallas_attention`), static in a program: hashable."""
-  backend: str  # "tpu" or "gpu"
-  interpret: bool = False  # run through Pallas' interpreter (on a CPU)
-  mesh: Any = None  # the program's mesh: the kernel then runs on each device over its own cache rows
-  row_spec: Any = None  # how the cache's row axis is split on that mesh (a PartitionSpec entry)
-
-
-def select_kernel(attention: str, platform: str) -> Kernel | None:
-  """The kernel `--attention` asks for on a program for `platform` ("cpu", "tpu", "gpu"); None: the
-  reference loop. `attention` is one of `ATTENTION_CHOICES` (`make_decoder` checks). A kernel for another
-  accelerator than the program's is refused; on a CPU it is interpreted."""
-  if attention == "auto":
-    return next((Kernel(b) for b, p in KERNEL_PLATFORMS.items() if p == platform), None)
-  if attention == "xla":
-    return None
-  if platform not in (KERNEL_PLATFORMS[attention], "cpu"):
-    raise ValueError(f"the {attention} attention kernel does not run on {platform}")
-  return Kernel(attention, interpret=platform == "cpu")
-
-
-def _scores(s: jax.Array, softcap: float | None) -> jax.Array:
-  return s if softcap is None else softcap * jnp.tanh(s / softcap)
-
-
-def _visible(kpos: jax.Array, qpos: jax.Array, window: int) -> jax.Array:
-  """Causal, and within the last `window` positions when window > 0 (as transformers' sliding window)."""
-  return (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+from jspec.pallas_attention import Kernel
 
 
 def _per_row(x_BxS: jax.Array, kv_heads: int, group: int, heads_major: bool) -> jax.Array:
@@ -68,8 +29,7 @@ class QueryRows:
   g*S + s of buffer row b*J + j (or j*B + b)."""
   q_XxQSxDh: jax.Array  # scaled, in the cache's dtype
   qpos_XxQS: jax.Array  # each query's position
-  first_X: jax.Array  # the first slot a row's queries may see (0 without a window)
-  end_X: jax.Array  # one past the last slot they may see: the row's length + S
+  end_X: jax.Array  # one past the last slot a row's queries may see: its length + S
   base_X: jax.Array | None = None  # trees: the slot of the first tree entry
   tree_XxQSxA: jax.Array | None = None  # trees: which entries each query sees
 
@@ -85,17 +45,14 @@ def query_rows(q_BxSxHxDh: jax.Array, kv_heads: int, lengths_B: jax.Array, heads
   q_XxQSxDh = (q_BxJxQxSxDh.transpose(*to_rows, 4).reshape(batch * kv_heads, group * seq, head_dim) * scale
                ).astype(dtype)
   per_row = lambda x_BxS: _per_row(x_BxS, kv_heads, group, heads_major)
-  first_query_B = lengths_B
   base_X = tree_XxQSxA = None
   if tree_BxSxA is None:
     qpos_XxQS = per_row(lengths_B[:, None] + jnp.arange(seq)[None, :])
   else:
-    first_query_B = lengths_B + seq - tree_BxSxA.shape[2]
-    qpos_XxQS = per_row(first_query_B[:, None] + jnp.sum(tree_BxSxA, -1) - 1)
-    base_X, tree_XxQSxA = per_row(first_query_B[:, None])[:, 0], per_row(tree_BxSxA)
-  first_B = jnp.maximum(first_query_B + 1 - window, 0) if window else jnp.zeros_like(lengths_B)
-  return QueryRows(q_XxQSxDh, qpos_XxQS, per_row(first_B[:, None])[:, 0], per_row(lengths_B[:, None] + seq)[:, 0],
-                   base_X, tree_XxQSxA)
+    base_B = lengths_B + seq - tree_BxSxA.shape[2]
+    qpos_XxQS = per_row(base_B[:, None] + jnp.sum(tree_BxSxA, -1) - 1)
+    base_X, tree_XxQSxA = per_row(base_B[:, None])[:, 0], per_row(tree_BxSxA)
+  return QueryRows(q_XxQSxDh, qpos_XxQS, per_row(lengths_B[:, None] + seq)[:, 0], base_X, tree_XxQSxA)
 
 
 def from_rows(out_XxQSxDh: jax.Array, batch: int, seq: int, heads_major: bool, dtype) -> jax.Array:
@@ -129,36 +86,38 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   rows, capacity, _ = k_XxTxDh.shape
   rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, window, scale, k_XxTxDh.dtype, tree_BxSxA)
   if kernel is not None:
-    from jspec import pallas_attention  # Pallas is imported only where a kernel runs
     out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap)
     return from_rows(out, batch, seq, heads_major, q_BxSxHxDh.dtype)
   block = min(BLOCK_SIZE, capacity)
   q_XxQSxDh, qpos_XxQS, tree_XxQSxA = rows_.q_XxQSxDh, rows_.qpos_XxQS, rows_.tree_XxQSxA
   group_seq = q_XxQSxDh.shape[1]
-  end_block = (jnp.max(rows_.end_X) + block - 1) // block
-  first_block = jnp.min(rows_.first_X) // block
+  # From the [B] lengths, not the [X] rows: on a mesh that splits the rows, a reduction over them would be a
+  # collective. The first query of a row: its length, or its tree's base.
+  first_query_B = lengths_B if tree_XxQSxA is None else lengths_B + seq - tree_XxQSxA.shape[2]
+  end_block = (jnp.max(lengths_B) + seq + block - 1) // block
+  first_block = jnp.maximum(jnp.min(first_query_B) + 1 - window, 0) // block if window else 0
 
   def attend_block(i, carry):
     max_XxQS, sum_XxQS, acc_XxQSxDh = carry
     k_blk = lax.dynamic_slice_in_dim(k_XxTxDh, i * block, block, axis=1)
     v_blk = lax.dynamic_slice_in_dim(v_XxTxDh, i * block, block, axis=1)
-    s_XxQSxT = _scores(jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32), softcap)
+    s_XxQSxT = masking.scores(jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32), softcap)
     kpos_T = i * block + jnp.arange(block)
-    visible = _visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window)
+    visible = masking.visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window)
     if tree_XxQSxA is not None:  # tree entries: ancestors only
       entries = tree_XxQSxA.shape[2]
       rel_XxT = kpos_T[None, :] - rows_.base_X[:, None]
       entry_XxQSxT = jnp.broadcast_to(jnp.clip(rel_XxT, 0, entries - 1)[:, None, :], (rows, group_seq, block))
       is_ancestor = jnp.take_along_axis(tree_XxQSxA, entry_XxQSxT, axis=2)
       visible = jnp.where((rel_XxT < 0)[:, None, :], visible, (rel_XxT < entries)[:, None, :] & is_ancestor)
-    s_XxQSxT = jnp.where(visible, s_XxQSxT, MASKED)
+    s_XxQSxT = jnp.where(visible, s_XxQSxT, masking.MASKED)
     new_max = jnp.maximum(max_XxQS, s_XxQSxT.max(-1))
     p_XxQSxT = jnp.exp(s_XxQSxT - new_max[..., None])
     rescale = jnp.exp(max_XxQS - new_max)
     pv = jnp.einsum("xqt,xtd->xqd", p_XxQSxT.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     return new_max, sum_XxQS * rescale + p_XxQSxT.sum(-1), acc_XxQSxDh * rescale[..., None] + pv
 
-  init = (jnp.full((rows, group_seq), MASKED, jnp.float32), jnp.zeros((rows, group_seq), jnp.float32),
+  init = (jnp.full((rows, group_seq), masking.MASKED, jnp.float32), jnp.zeros((rows, group_seq), jnp.float32),
           jnp.zeros((rows, group_seq, head_dim), jnp.float32))
   _, sum_XxQS, acc = lax.fori_loop(first_block, end_block, attend_block, init)
   return from_rows(acc / sum_XxQS[..., None], batch, seq, heads_major, q_BxSxHxDh.dtype)
@@ -171,7 +130,7 @@ def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxJxDh: jax.Array, v_BxSxJxDh: j
   k = jnp.repeat(k_BxSxJxDh, group, axis=2)
   v = jnp.repeat(v_BxSxJxDh, group, axis=2)
   s_BxHxSxS = jnp.einsum("bqhd,bkhd->bhqk", q_BxSxHxDh, k, preferred_element_type=jnp.float32)
-  s_BxHxSxS = _scores(s_BxHxSxS * (q_BxSxHxDh.shape[-1] ** -0.5 if scale is None else scale), softcap)
+  s_BxHxSxS = masking.scores(s_BxHxSxS * (q_BxSxHxDh.shape[-1] ** -0.5 if scale is None else scale), softcap)
   pos_S = jnp.arange(q_BxSxHxDh.shape[1])
-  p = jax.nn.softmax(jnp.where(_visible(pos_S[None, :], pos_S[:, None], window), s_BxHxSxS, -jnp.inf), axis=-1)
+  p = jax.nn.softmax(jnp.where(masking.visible(pos_S[None, :], pos_S[:, None], window), s_BxHxSxS, -jnp.inf), axis=-1)
   return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q_BxSxHxDh.dtype)

@@ -34,7 +34,7 @@ class KVCache:
   lengths: jax.Array  # [B] int32: slots in use in each row
   rope_len: jax.Array  # [B] int32: each row's final length, for length-dependent RoPE (`jspec.rope`)
   heads_major: bool = flax.struct.field(pytree_node=False, default=False)  # row j*B + b instead of b*J + j
-  kernel: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.attention.Kernel; None: reference
+  kernel: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.pallas_attention.Kernel; None: reference
 
   def row(self, b, j, batch: int, kv_heads: int):
     """The buffer row of batch row b's kv head j."""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import adaptive, attention, model, tree
+from jspec import adaptive, model, pallas_attention, tree
 from jspec import cache as kvcache
 from jspec.automaton import Automata
 from jspec.control import run_if, run_switch
@@ -90,7 +90,7 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None) -
   # with the kernel of the platform the program is for (a mesh's devices may be another machine's).
   final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
   platform = decoder.layout.mesh.devices.flat[0].platform if decoder.layout is not None else jax.default_backend()
-  kernel = attention.select_kernel(decoder.attention, platform)
+  kernel = pallas_attention.select_kernel(decoder.attention, platform)
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
   with_len = lambda x: x.replace(rope_len=final_len_B, kernel=kernel) if is_cache(x) else x
   return state.replace(target_cache=with_len(state.target_cache),

@@ -16,7 +16,9 @@ over the cache's row split, each device on its own rows: attention is independen
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +26,38 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
-from jspec.attention import MASKED, Kernel, QueryRows, _scores, _visible
 from jspec.cache import BLOCK_SIZE
+from jspec.masking import MASKED, scores, visible
+
+if TYPE_CHECKING:
+  from jspec.attention import QueryRows
 
 ROWS_PER_STEP = 8  # TPU: cache rows one grid step attends for (a Llama-3 row's 8 kv heads)
+
+
+KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu"}  # a kernel's backend -> the jax platform it compiles for
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """A Pallas kernel for cached attention (`jspec.pallas_attention`), static in a program: hashable."""
+  backend: str  # "tpu" or "gpu"
+  interpret: bool = False  # run through Pallas' interpreter (on a CPU)
+  mesh: Any = None  # the program's mesh: the kernel then runs on each device over its own cache rows
+  row_spec: Any = None  # how the cache's row axis is split on that mesh (a PartitionSpec entry)
+
+
+def select_kernel(attention: str, platform: str) -> Kernel | None:
+  """The kernel `--attention` asks for on a program for `platform` ("cpu", "tpu", "gpu"); None: the
+  reference loop. `attention` is one of `ATTENTION_CHOICES` (`make_decoder` checks). A kernel for another
+  accelerator than the program's is refused; on a CPU it is interpreted."""
+  if attention == "auto":
+    return next((Kernel(b) for b, p in KERNEL_PLATFORMS.items() if p == platform), None)
+  if attention == "xla":
+    return None
+  if platform not in (KERNEL_PLATFORMS[attention], "cpu"):
+    raise ValueError(f"the {attention} attention kernel does not run on {platform}")
+  return Kernel(attention, interpret=platform == "cpu")
 
 
 QUERY_ROWS_PER_STEP = 512  # TPU: rows x queries of one grid step (its fp32 accumulators stay ~1 MB in VMEM)
@@ -96,15 +126,15 @@ def _update(q, k, v, qpos, kpos, base, tree, window: int, softcap: float | None,
   [.., QS, A] for tree rows; carry (max [.., QS, 1], sum [.., QS, 1], acc [.., QS, Dh]), fp32."""
   max_, sum_, acc = carry
   contract = k.ndim - 1
-  s = _scores(_dot(q, k, contract), softcap)
-  visible = _visible(kpos, qpos, window)
+  s = scores(_dot(q, k, contract), softcap)
+  seen = visible(kpos, qpos, window)
   if tree is not None:  # tree entries: ancestors only, picked by a one-hot matmul over the entries
     rel = kpos - base  # [.., 1, T]
     entry = lax.broadcasted_iota(jnp.int32, (*rel.shape[:-2], tree.shape[-1], rel.shape[-1]), rel.ndim - 2)
     ancestor = _dot(tree.astype(jnp.float32), (entry == rel).astype(jnp.float32), contract - 1) > 0.5
-    before = jnp.broadcast_to(rel, visible.shape) < 0  # Mosaic broadcasts and selects no booleans
-    visible = (before & visible) | (~before & ancestor)
-  s = jnp.where(visible, s, MASKED)
+    before = jnp.broadcast_to(rel, seen.shape) < 0  # Mosaic broadcasts and selects no booleans
+    seen = (before & seen) | (~before & ancestor)
+  s = jnp.where(seen, s, MASKED)
   new_max = jnp.maximum(max_, s.max(-1, keepdims=True))
   p = jnp.exp(s - new_max)
   rescale = jnp.exp(max_ - new_max)

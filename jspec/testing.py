@@ -141,6 +141,46 @@ def renamed_vocab(m: Model, split: int, added: int, seed: int = 0) -> Model:
 _forward_full = jax.jit(model.forward_full, static_argnums=(2, 3))
 
 
+# Cached attention cases (`attention_case`): ragged rows of S new queries over a 384-slot cache (3 blocks),
+# grouped-query heads; a prefill of 600 queries a row spans several of a kernel's query tiles.
+ATTENTION_CASES = {
+    "chain": dict(),
+    "step": dict(seq=1, lengths=(0, 383)),
+    "window": dict(window=64, lengths=(100, 250)),
+    "softcap": dict(softcap=5.0, scale=0.3),
+    "tree": dict(tree=True),
+    "tree-window": dict(tree=True, window=40, lengths=(90, 200)),
+    "heads-major": dict(heads_major=True),
+    "mha": dict(heads=2, kv_heads=2, seq=4),
+    "prefill": dict(seq=300, lengths=(0, 60), window=100),
+}
+
+
+def _ancestors(batch: int, seq: int, entries: int, rng) -> np.ndarray:
+  """Random trees: entry e's parent is an earlier entry; each of the last `seq` entries sees its ancestors."""
+  parent = [-1] + [int(rng.integers(0, e)) for e in range(1, entries)]
+  mask = np.zeros((batch, seq, entries), bool)
+  for i, e in enumerate(range(entries - seq, entries)):
+    while e >= 0:
+      mask[:, i, e], e = True, parent[e]
+  return mask
+
+
+def attention_case(kernel, dtype, seq=3, heads=4, kv_heads=2, lengths=(5, 200), window=0, softcap=None,
+                   scale=None, tree=False, heads_major=False) -> jax.Array:
+  """`attention.cached_attention` of random queries over a random cache (an `ATTENTION_CASES` entry) with
+  `kernel` (None: the reference), in fp32. The inputs are drawn in fp32 and cast to `dtype`."""
+  from jspec import attention
+  batch, head_dim, capacity = len(lengths), 16, 384
+  kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(kq, (batch, seq, heads, head_dim)).astype(dtype)
+  k = jax.random.normal(kk, (batch * kv_heads, capacity, head_dim)).astype(dtype)
+  v = jax.random.normal(kv, (batch * kv_heads, capacity, head_dim)).astype(dtype)
+  mask = jnp.asarray(_ancestors(batch, seq, seq + 2, np.random.default_rng(0))) if tree else None
+  return attention.cached_attention(q, k, v, jnp.asarray(lengths, jnp.int32), heads_major, window, softcap, scale,
+                                    tree_BxSxA=mask, kernel=kernel).astype(jnp.float32)
+
+
 def full_logits(m: Model, tokens_BxS) -> np.ndarray:
   """[B, S, V]: `model.forward_full`'s logits, the reference decoding is checked against. Compiled once per
   width of 32 tokens: a causal forward's logits do not depend on the tokens after them (but dynamic-NTK

@@ -8,54 +8,19 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import attention, testing
-from jspec.attention import Kernel
+from jspec import attention, pallas_attention, testing
+from jspec.pallas_attention import Kernel
 from jspec.settings import TreeConfig
-
-# (name, options): ragged rows of S new queries over a 384-slot cache (3 blocks), grouped-query heads
-CASES = {
-    "chain": dict(),
-    "step": dict(seq=1, lengths=(0, 383)),
-    "window": dict(window=64, lengths=(100, 250)),
-    "softcap": dict(softcap=5.0, scale=0.3),
-    "tree": dict(tree=True),
-    "tree-window": dict(tree=True, window=40, lengths=(90, 200)),
-    "heads-major": dict(heads_major=True),
-    "mha": dict(heads=2, kv_heads=2, seq=4),
-    "prefill": dict(seq=300, lengths=(0, 60), window=100),  # 600 queries a row: several query tiles
-}
-
-
-def _ancestors(batch: int, seq: int, entries: int, rng) -> np.ndarray:
-  """Random trees: entry e's parent is an earlier entry; each of the last `seq` entries sees its ancestors."""
-  parent = [-1] + [int(rng.integers(0, e)) for e in range(1, entries)]
-  mask = np.zeros((batch, seq, entries), bool)
-  for i, e in enumerate(range(entries - seq, entries)):
-    while e >= 0:
-      mask[:, i, e], e = True, parent[e]
-  return mask
-
-
-def _attend(backend: str | None, dtype, seq=3, heads=4, kv_heads=2, lengths=(5, 200), window=0, softcap=None,
-            scale=None, tree=False, heads_major=False):
-  batch, head_dim, capacity = len(lengths), 16, 384
-  kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
-  q = jax.random.normal(kq, (batch, seq, heads, head_dim)).astype(dtype)
-  k = jax.random.normal(kk, (batch * kv_heads, capacity, head_dim)).astype(dtype)
-  v = jax.random.normal(kv, (batch * kv_heads, capacity, head_dim)).astype(dtype)
-  mask = jnp.asarray(_ancestors(batch, seq, seq + 2, np.random.default_rng(0))) if tree else None
-  kernel = None if backend is None else Kernel(backend, interpret=True)
-  return attention.cached_attention(q, k, v, jnp.asarray(lengths, jnp.int32), heads_major, window, softcap, scale,
-                                    tree_BxSxA=mask, kernel=kernel).astype(jnp.float32)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", testing.ATTENTION_CASES)
 def test_kernel_equals_the_reference(backend, case):
-  ref = _attend(None, jnp.float32, **CASES[case])
-  np.testing.assert_allclose(_attend(backend, jnp.float32, **CASES[case]), ref, atol=1e-5, rtol=1e-5)
+  options, kernel = testing.ATTENTION_CASES[case], Kernel(backend, interpret=True)
+  ref = testing.attention_case(None, jnp.float32, **options)
+  np.testing.assert_allclose(testing.attention_case(kernel, jnp.float32, **options), ref, atol=1e-5, rtol=1e-5)
   if case in ("chain", "tree"):  # bf16 caches: within bf16's rounding of the fp32 result
-    np.testing.assert_allclose(_attend(backend, jnp.bfloat16, **CASES[case]), ref, atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(testing.attention_case(kernel, jnp.bfloat16, **options), ref, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -71,12 +36,12 @@ def test_decoding_with_the_kernels_gives_the_same_greedy_tokens(backend):
 
 
 def test_a_kernel_for_another_accelerator_is_refused():
-  assert attention.select_kernel("auto", "cpu") is None and attention.select_kernel("xla", "tpu") is None
-  assert attention.select_kernel("auto", "tpu") == Kernel("tpu")
-  assert attention.select_kernel("auto", "gpu") == Kernel("gpu")
-  assert attention.select_kernel("gpu", "cpu") == Kernel("gpu", interpret=True)
+  assert pallas_attention.select_kernel("auto", "cpu") is None and pallas_attention.select_kernel("xla", "tpu") is None
+  assert pallas_attention.select_kernel("auto", "tpu") == Kernel("tpu")
+  assert pallas_attention.select_kernel("auto", "gpu") == Kernel("gpu")
+  assert pallas_attention.select_kernel("gpu", "cpu") == Kernel("gpu", interpret=True)
   with pytest.raises(ValueError, match="the gpu attention kernel does not run on tpu"):
-    attention.select_kernel("gpu", "tpu")
+    pallas_attention.select_kernel("gpu", "tpu")
   with pytest.raises(ValueError, match="attention 'flash'"):
     jspec.generate(testing.random_model(), [[1, 2]], max_new_tokens=2, attention="flash")
 

@@ -7,8 +7,11 @@ Sections, each timed and recorded even when a later one fails or the budget runs
 - lossless: the losslessness checks that matter, on this device: greedy speculative decoding equals plain
   decoding and the target's full-forward argmax; the exact law of the first two sampled tokens on an 8-token
   vocabulary; the cached forward in chunks equals the full forward;
+- kernel: this platform's Pallas attention kernel (the GPU's, interpreted, on a CPU) against the reference
+  loop over chains, trees, windows, softcaps and a prefill, fp32 and bf16;
 - target: plain decoding of a Llama-3-8B-shaped random bf16 target, ms per token, against the
-  weight-streaming bound (its weights' bytes over this device's measured copy bandwidth);
+  weight-streaming bound (its weights' bytes over this device's measured copy bandwidth), with the kernel
+  (the default on a GPU) and with the XLA loop;
 - verify: a forward of N = 1..64 tokens per row over one of 1 token, on that target;
 - rounds: a speculative round with a Llama-3.2-1B-shaped random draft, K = 2..8, in target steps;
 - shipped: the default shipped pair's speedup with the default settings (greedy, batch 1; with --smoke the
@@ -20,6 +23,7 @@ import dataclasses
 import sys
 import time
 import traceback
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +31,7 @@ import numpy as np
 
 import jspec
 from jspec import cache as kvcache
-from jspec import decode, model, programs, shipped, testing
+from jspec import decode, model, pallas_attention, programs, shipped, testing
 from jspec.bench.timing import interleaved
 from jspec.calibration import round_and_step, step_loop
 from jspec.config import ModelConfig, num_params
@@ -94,21 +98,57 @@ def init_on_device(config: ModelConfig, seed: int) -> dict:
   return jax.jit(lambda k: model.init_params(config, k))(jax.random.PRNGKey(seed))
 
 
-def target_section(config: ModelConfig, params, smoke: bool) -> dict:
-  bw = bandwidth_gb_s(smoke)
-  m = jspec.Model(config, params, TOKENIZER)
+def _plain_decode(m: jspec.Model, attention: str, smoke: bool) -> dict[str, Any]:
+  """Timed calls of one plain decoding executable: 'decode' (128 tokens) and 'first' (prefill and one)."""
   prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
-  decoder = make_decoder(m, None, None, 1)
+  decoder = make_decoder(m, None, None, 1, attention=attention)
   requests = make_batch(decoder, prompt, new, ignore_eos=True)
   executable, compile_s = programs.compiled_run(decoder, requests)
   first = requests.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
-  t = interleaved({"decode": lambda: jax.block_until_ready(executable(decoder, requests)),
-                   "first": lambda: jax.block_until_ready(executable(decoder, first))}, 1 if smoke else 3)
-  ms = (t["decode"] - t["first"]) / (new - 1) * 1e3
+  return {"decode": lambda: jax.block_until_ready(executable(decoder, requests)),
+          "first": lambda: jax.block_until_ready(executable(decoder, first)), "new": new, "compile_s": compile_s}
+
+
+def target_section(config: ModelConfig, params, smoke: bool) -> dict:
+  """Plain decoding with this platform's attention (its Pallas kernel on a GPU or TPU) against the bound;
+  where there is a kernel, the XLA loop's time beside it."""
+  bw = bandwidth_gb_s(smoke)
+  m = jspec.Model(config, params, TOKENIZER)
+  kernel = pallas_attention.select_kernel("auto", jax.default_backend())
+  runs = {name: _plain_decode(m, name, smoke) for name in (("auto", "xla") if kernel else ("auto",))}
+  t = interleaved({f"{name} {part}": run[part] for name, run in runs.items() for part in ("decode", "first")},
+                  1 if smoke else 3)
+  ms = {name: (t[f"{name} decode"] - t[f"{name} first"]) / (run["new"] - 1) * 1e3 for name, run in runs.items()}
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   bound = weight_bytes / (bw * 1e9) * 1e3
-  return {"params": num_params(config), "dtype": config.dtype, "bandwidth_gb_s": bw, "ar_ms_per_token": ms,
-          "weight_streaming_bound_ms": bound, "bound_over_measured": bound / ms, "compile_seconds": compile_s}
+  out = {"params": num_params(config), "dtype": config.dtype, "bandwidth_gb_s": bw,
+         "attention": "XLA loop" if kernel is None else f"Pallas {kernel.backend} kernel",
+         "ar_ms_per_token": ms["auto"], "weight_streaming_bound_ms": bound, "bound_over_measured": bound / ms["auto"],
+         "compile_seconds": runs["auto"]["compile_s"]}
+  if kernel is not None:
+    out.update(ar_ms_per_token_xla_loop=ms["xla"], kernel_speedup_over_xla_loop=ms["xla"] / ms["auto"])
+  return out
+
+
+KERNEL_TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}
+
+
+def kernel_section(smoke: bool) -> dict:
+  """This platform's attention kernel (interpreted where there is none: the GPU's) against the reference
+  loop on this device over `testing.ATTENTION_CASES`, in fp32 (full-precision matmuls) and bf16: the largest
+  difference from the fp32 reference per case."""
+  kernel = (pallas_attention.select_kernel("auto", jax.default_backend())
+            or pallas_attention.Kernel("gpu", interpret=True))
+  errors = {}
+  with jax.default_matmul_precision("highest"):
+    for case in (("chain", "tree") if smoke else testing.ATTENTION_CASES):
+      options = testing.ATTENTION_CASES[case]
+      ref = testing.attention_case(None, jnp.float32, **options)
+      errors[case] = {str(np.dtype(d)): float(jnp.abs(testing.attention_case(kernel, d, **options) - ref).max())
+                      for d in (jnp.float32, jnp.bfloat16)}
+  return {"kernel": kernel.backend + (" (interpreted)" if kernel.interpret else ""), "max_error": errors,
+          "tolerance": KERNEL_TOLERANCE,
+          "within_tolerance": all(e <= KERNEL_TOLERANCE[d] for row in errors.values() for d, e in row.items())}
 
 
 def verify_section(config: ModelConfig, params, smoke: bool) -> dict:
@@ -164,6 +204,7 @@ def check(smoke: bool, budget: float, save) -> dict:
 
   sections = {
       "lossless": lambda: lossless(smoke),
+      "kernel": lambda: kernel_section(smoke),
       "target": lambda: target_section(target_config, target_params(), smoke),
       "verify": lambda: verify_section(target_config, target_params(), smoke),
       "rounds": lambda: rounds_section(target_config, target_params(), draft_config, smoke),
