@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from jspec import cache as kvcache
-from jspec import costs, decode, model, registry
+from jspec import costs, decode, model, pallas_attention, registry
 from jspec.config import ModelConfig, num_params
 from jspec.decoder import make_decoder
 from jspec.request import make_batch
@@ -71,6 +71,7 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
     return cache, model.logits_from_hidden(params, hidden, config)[0, 0, 0]
 
   cache = kvcache.init_cache(config, batch, capacity).rewind(jnp.full((batch,), used, jnp.int32))
+  cache = cache.replace(kernel=pallas_attention.select_kernel("auto", jax.default_backend()))  # as decoding reads
   return timed_loop(one, cache, steps, donate=True), steps
 
 
