@@ -101,10 +101,17 @@ def compiled(lowered) -> Compiled:
                   float(cost.get("bytes accessed", 0.0)), int(m.alias_size_in_bytes))
 
 
-def _start_then(step):
-  """A batch's prefill followed by `step` (a plain step or a speculative round), one program returning the
-  whole state (so nothing either computes is left out): its cost less the prefill's alone is the step's."""
-  return lambda decoder, requests: step(decoder, decode.start(decoder, requests))
+def _shardings(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def started_state(decoder: Decoder, requests, capacity: int):
+  """The abstract state `decode.start` leaves for these placed requests, each leaf with the sharding the
+  compiled start gives it: what a step or a segment is compiled for on its own."""
+  start = lambda d, r: decode.start(d, r, capacity)
+  started = jax.jit(start, in_shardings=_shardings((decoder, requests))).lower(decoder, requests).compile()
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      jax.eval_shape(start, decoder, requests), started.output_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +157,8 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   """Compiles the decode program of `decoder` (abstract weights: `jspec.shaped.shaped_decoder`) for
   `target`'s devices, on `mesh_spec` (default: every device on the model axis), and estimates a plain step
   and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
-  round would count every K's branch) from the cost of the prefill alone and of the prefill followed by
-  each. XLA counts a loop's body once: the drafter's chained steps inside a round count as one. With
+  round would count every K's branch), each compiled on its own over the state a prefill leaves. XLA counts
+  a loop's body once: the drafter's chained steps inside a round count as one. With
   `serving`, also the server's programs for `batch` slots (`compile_server`)."""
   devices = target.devices()
   mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
@@ -160,11 +167,10 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   requests = sharding.place(memory.abstract_requests(placed, batch, prompt_width, capacity), mesh)
   program = compiled(programs.lower(placed, requests))
   placed = placed if round_decoder is None else place(round_decoder)
-  explicit = lambda f: jax.jit(f, in_shardings=jax.tree.map(lambda x: x.sharding, (placed, requests)))
-  prefill = compiled(explicit(_start_then(lambda d, state: state)).lower(placed, requests))
+  state = started_state(placed, requests, capacity)
   per_device = target.per_device(len(devices))
-  step_time = lambda step: roofline_seconds(_less(compiled(explicit(_start_then(step)).lower(placed, requests)),
-                                                  prefill), per_device)
+  step_time = lambda step: roofline_seconds(compiled(jax.jit(step, in_shardings=_shardings((placed, state)))
+                                                     .lower(placed, state)), per_device)
   plain = step_time(decode.autoregressive_step)
   spec_round = step_time(decode.speculative_step) if placed.drafter is not None else plain
   kernel = pallas_attention.select_kernel(decoder.attention, "tpu")
@@ -192,19 +198,10 @@ def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: in
   lives between calls (donated to each), so a segment's arguments hold it beside the weights. The caches
   must be laid out by batch row (`rows.insert`)."""
   mesh = decoder.layout.mesh
-  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   idle = sharding.place(memory.abstract_requests(decoder, slots, request.prompt_bucket(1), capacity), mesh)
-  start = lambda d, r: decode.start(d, r, capacity)
-  started = jax.jit(start, in_shardings=shardings((decoder, idle))).lower(decoder, idle).compile()
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       jax.eval_shape(start, decoder, idle), started.output_shardings)
+  state = started_state(decoder, idle, capacity)
   one = sharding.place(memory.abstract_requests(decoder, 1, prompt_width, capacity), mesh)
   scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
   return {"segment": compiled(programs.resume_rows.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
                                                          scalar(jnp.bool_, (slots,)), width=slots)),
           "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)))}
-
-
-def _less(a: Compiled, b: Compiled) -> Compiled:
-  return dataclasses.replace(a, flops=max(a.flops - b.flops, 0.0), bytes_accessed=max(a.bytes_accessed
-                                                                                    - b.bytes_accessed, 0.0))
