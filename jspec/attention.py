@@ -29,9 +29,14 @@ class QueryRows:
   g*S + s of buffer row b*J + j (or j*B + b)."""
   q_XxQSxDh: jax.Array  # scaled, in the cache's dtype
   qpos_XxQS: jax.Array  # each query's position
-  end_X: jax.Array  # one past the last slot a row's queries may see: its length + S
-  base_X: jax.Array | None = None  # trees: the slot of the first tree entry
+  start_X: jax.Array  # the slot of a row's first new entry: its length, or its tree's base
   tree_XxQSxA: jax.Array | None = None  # trees: which entries each query sees
+  seq: int = flax.struct.field(pytree_node=False, default=1)  # S: new queries per row and head
+
+  @property
+  def end_X(self) -> jax.Array:
+    """One past the last slot a row's queries may see: its length + S (a tree's A entries end there)."""
+    return self.start_X + (self.seq if self.tree_XxQSxA is None else self.tree_XxQSxA.shape[2])
 
 
 def query_rows(q_BxSxHxDh: jax.Array, kv_heads: int, lengths_B: jax.Array, heads_major: bool, window: int,
@@ -45,14 +50,13 @@ def query_rows(q_BxSxHxDh: jax.Array, kv_heads: int, lengths_B: jax.Array, heads
   q_XxQSxDh = (q_BxJxQxSxDh.transpose(*to_rows, 4).reshape(batch * kv_heads, group * seq, head_dim) * scale
                ).astype(dtype)
   per_row = lambda x_BxS: _per_row(x_BxS, kv_heads, group, heads_major)
-  base_X = tree_XxQSxA = None
   if tree_BxSxA is None:
+    start_B, tree_XxQSxA = lengths_B, None
     qpos_XxQS = per_row(lengths_B[:, None] + jnp.arange(seq)[None, :])
   else:
-    base_B = lengths_B + seq - tree_BxSxA.shape[2]
-    qpos_XxQS = per_row(base_B[:, None] + jnp.sum(tree_BxSxA, -1) - 1)
-    base_X, tree_XxQSxA = per_row(base_B[:, None])[:, 0], per_row(tree_BxSxA)
-  return QueryRows(q_XxQSxDh, qpos_XxQS, per_row(lengths_B[:, None] + seq)[:, 0], base_X, tree_XxQSxA)
+    start_B, tree_XxQSxA = lengths_B + seq - tree_BxSxA.shape[2], per_row(tree_BxSxA)
+    qpos_XxQS = per_row(start_B[:, None] + jnp.sum(tree_BxSxA, -1) - 1)
+  return QueryRows(q_XxQSxDh, qpos_XxQS, per_row(start_B[:, None])[:, 0], tree_XxQSxA, seq)
 
 
 def from_rows(out_XxQSxDh: jax.Array, batch: int, seq: int, heads_major: bool, dtype) -> jax.Array:
@@ -106,7 +110,7 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
     visible = masking.visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window)
     if tree_XxQSxA is not None:  # tree entries: ancestors only
       entries = tree_XxQSxA.shape[2]
-      rel_XxT = kpos_T[None, :] - rows_.base_X[:, None]
+      rel_XxT = kpos_T[None, :] - rows_.start_X[:, None]
       entry_XxQSxT = jnp.broadcast_to(jnp.clip(rel_XxT, 0, entries - 1)[:, None, :], (rows, group_seq, block))
       is_ancestor = jnp.take_along_axis(tree_XxQSxA, entry_XxQSxT, axis=2)
       visible = jnp.where((rel_XxT < 0)[:, None, :], visible, (rel_XxT < entries)[:, None, :] & is_ancestor)

@@ -66,14 +66,15 @@ GPU_QUERY_TILE = 64  # GPU: queries per program
 
 def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, window: int,
            softcap: float | None) -> jax.Array:
-  """Attention of `rows`' queries over the cache: [X, QS, Dh] in fp32, as the reference computes it."""
+  """Attention of `rows`' queries over the cache: [X, QS, Dh] in the cache's dtype (the reference's fp32
+  result, rounded)."""
   head_dim = k_XxTxDh.shape[2]
   if kernel.backend == "gpu" and head_dim & (head_dim - 1):
     raise ValueError(f"the GPU attention kernel needs a power-of-two head dim, not {head_dim}: use --attention xla")
   call = functools.partial(_tpu if kernel.backend == "tpu" else _gpu, window=window, softcap=softcap,
-                           interpret=kernel.interpret)
-  args = (rows.q_XxQSxDh, k_XxTxDh, v_XxTxDh, rows.qpos_XxQS, rows.end_X) + (
-      () if rows.tree_XxQSxA is None else (rows.base_X, rows.tree_XxQSxA))
+                           seq=rows.seq, interpret=kernel.interpret)
+  args = (rows.q_XxQSxDh, k_XxTxDh, v_XxTxDh, rows.qpos_XxQS, rows.start_X) + (
+      () if rows.tree_XxQSxA is None else (rows.tree_XxQSxA,))
   if kernel.mesh is not None:
     spec = PartitionSpec(kernel.row_spec)
     call = jax.shard_map(call, mesh=kernel.mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)
@@ -86,7 +87,7 @@ def _cost(q: jax.Array, k: jax.Array) -> pl.CostEstimate:
   rows, capacity, head_dim = k.shape
   scores = rows * q.shape[1] * capacity
   return pl.CostEstimate(flops=4 * scores * head_dim, transcendentals=scores,
-                         bytes_accessed=2 * k.nbytes + q.nbytes + rows * q.shape[1] * head_dim * 4)
+                         bytes_accessed=2 * k.nbytes + 2 * q.nbytes)
 
 
 def _padded(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax.Array:
@@ -109,6 +110,16 @@ def _tile_ranges(qpos_XxQS: jax.Array, end_X: jax.Array, tree: bool, window: int
   hi = jnp.broadcast_to(end_X[:, None], qpos_XxQS.shape) if tree else qpos_XxQS + 1
   per_tile = lambda x, reduce: reduce(x.reshape(rows // group, group, queries // tile, tile), axis=(1, 3))
   return per_tile(lo, jnp.min) // block, -(-per_tile(hi, jnp.max) // block)
+
+
+def _positions(start, tree, first_query, shape: tuple[int, ...], seq: int):
+  """The positions of a tile's queries, [.., tile, 1], computed in the kernel (a [X, QS, 1] input would be
+  padded to whole lanes in HBM): a chain's query g*S + s sits at the row's length + s, a tree node at the
+  base + its depth (its ancestors but itself). Padded queries get positions they cannot use."""
+  if tree is not None:
+    return start + jnp.sum(tree, axis=-1, keepdims=True).astype(jnp.int32) - 1
+  index = first_query + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2)
+  return start + lax.rem(index, seq)
 
 
 def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
@@ -141,26 +152,26 @@ def _update(q, k, v, qpos, kpos, base, tree, window: int, softcap: float | None,
   return new_max, sum_ * rescale + p.sum(-1, keepdims=True), acc * rescale + _dot(p.astype(v.dtype), v, contract - 1)
 
 
-def _tpu(q, k, v, qpos, end, base=None, tree=None, *, window, softcap, interpret):
+def _tpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
   from jax.experimental.pallas import tpu as pltpu
   rows, capacity, head_dim = k.shape
   block, asked = min(BLOCK_SIZE, capacity), q.shape[1]
   tiles, tile = _tiles(asked, QUERY_ROWS_PER_STEP, lambda n: -(-n // 8) * 8)  # sublane multiples
   group = max(g for g in range(1, min(ROWS_PER_STEP, QUERY_ROWS_PER_STEP // tile) + 1) if rows % g == 0)
   q, qpos = _padded(q, 1, tiles * tile), _padded(qpos, 1, tiles * tile, "edge")
+  end = start + (seq if tree is None else tree.shape[2])
   first_blk, end_blk = _tile_ranges(qpos, end, tree is not None, window, block, group, tile)
   tree_args, tree_specs = (), []
   if tree is not None:  # Mosaic takes the mask as numbers, its entries in whole lanes
     entries = -(-tree.shape[2] // 128) * 128
-    tree_args = (base[:, None, None], _padded(_padded(tree, 1, tiles * tile), 2, entries).astype(jnp.float32))
-    tree_specs = [pl.BlockSpec((group, 1, 1), lambda g, t, i, *_: (g, 0, 0)),
-                  pl.BlockSpec((group, tile, entries), lambda g, t, i, *_: (g, t, 0))]
+    tree_args = (_padded(_padded(tree, 1, tiles * tile), 2, entries).astype(jnp.float32),)
+    tree_specs = [pl.BlockSpec((group, tile, entries), lambda g, t, i, *_: (g, t, 0))]
   per_tile = lambda g, t, i, *_: (g, t, 0)
   kv_block = lambda g, t, i, first_ref, end_ref: (g, jnp.clip(i, first_ref[g, t], end_ref[g, t] - 1), 0)
   nblocks = capacity // block
 
-  def kernel(first_ref, end_ref, q_ref, k_ref, v_ref, qpos_ref, *refs):
-    *tree_refs, o_ref, max_ref, sum_ref, acc_ref = refs
+  def kernel(first_ref, end_ref, q_ref, k_ref, v_ref, start_ref, *refs):
+    *tree_ref, o_ref, max_ref, sum_ref, acc_ref = refs
     g, t, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(i == 0)
@@ -172,14 +183,16 @@ def _tpu(q, k, v, qpos, end, base=None, tree=None, *, window, softcap, interpret
     @pl.when((i >= first_ref[g, t]) & (i < end_ref[g, t]))
     def _():
       kpos = i * block + lax.broadcasted_iota(jnp.int32, (1, block), 1)
-      base_, tree_ = (tree_refs[0][...], tree_refs[1][...]) if tree_refs else (None, None)
-      carry = _update(q_ref[...], k_ref[...], v_ref[...], qpos_ref[...], kpos, base_, tree_, window, softcap,
+      tree_ = tree_ref[0][...] if tree_ref else None
+      start_ = start_ref[...]
+      qpos_ = _positions(start_, tree_, t * tile, (1, tile, 1), seq)
+      carry = _update(q_ref[...], k_ref[...], v_ref[...], qpos_, kpos, start_, tree_, window, softcap,
                       (max_ref[...], sum_ref[...], acc_ref[...]))
       max_ref[...], sum_ref[...], acc_ref[...] = carry
 
     @pl.when(i == nblocks - 1)
     def _():
-      o_ref[...] = acc_ref[...] / sum_ref[...]
+      o_ref[...] = (acc_ref[...] / sum_ref[...]).astype(o_ref.dtype)
 
   out = pl.pallas_call(
       kernel,
@@ -188,14 +201,14 @@ def _tpu(q, k, v, qpos, end, base=None, tree=None, *, window, softcap, interpret
           in_specs=[pl.BlockSpec((group, tile, head_dim), per_tile),
                     pl.BlockSpec((group, block, head_dim), kv_block),
                     pl.BlockSpec((group, block, head_dim), kv_block),
-                    pl.BlockSpec((group, tile, 1), per_tile), *tree_specs],
+                    pl.BlockSpec((group, 1, 1), lambda g, t, i, *_: (g, 0, 0)), *tree_specs],
           out_specs=pl.BlockSpec((group, tile, head_dim), per_tile),
           scratch_shapes=[pltpu.VMEM((group, tile, 1), jnp.float32), pltpu.VMEM((group, tile, 1), jnp.float32),
                           pltpu.VMEM((group, tile, head_dim), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct((rows, tiles * tile, head_dim), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((rows, tiles * tile, head_dim), q.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret, cost_estimate=_cost(q, k),
-  )(first_blk, end_blk, q, k, v, qpos[:, :, None], *tree_args)
+  )(first_blk, end_blk, q, k, v, start[:, None, None], *tree_args)
   return out[:, :asked]
 
 
@@ -203,47 +216,48 @@ def _pow2(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())  # Triton's smallest matmul tile is 16
 
 
-def _gpu(q, k, v, qpos, end, base=None, tree=None, *, window, softcap, interpret):
+def _gpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
   from jax.experimental.pallas import triton as plgpu
   rows, capacity, head_dim = k.shape
   block, asked = min(BLOCK_SIZE, capacity), q.shape[1]
   tiles, tile = _tiles(asked, GPU_QUERY_TILE, _pow2)
   q, qpos = _padded(q, 1, tiles * tile), _padded(qpos, 1, tiles * tile, "edge")
+  end = start + (seq if tree is None else tree.shape[2])
   first_blk, end_blk = _tile_ranges(qpos, end, tree is not None, window, block, 1, tile)
-  # Per (row, tile): its first and one-past-last visible block, and a tree's base slot (a tile of 8).
-  tree_base = jnp.zeros_like(first_blk) if base is None else jnp.broadcast_to(base[:, None], first_blk.shape)
-  meta = _padded(jnp.stack([first_blk, end_blk, tree_base], 2).astype(jnp.int32), 2, 8)
+  # Per (row, tile): its first and one-past-last visible block, and the row's first slot (a tile of 8).
+  meta = jnp.stack([first_blk, end_blk, jnp.broadcast_to(start[:, None], first_blk.shape)], 2)
+  meta = _padded(meta.astype(jnp.int32), 2, 8)
   tree_args, tree_specs = (), []
   if tree is not None:
     tree_args = (_padded(_padded(tree, 1, tiles * tile), 2, _pow2(tree.shape[2])).astype(jnp.int32),)
     tree_specs = [pl.BlockSpec((None, tile, tree_args[0].shape[2]), lambda x, t: (x, t, 0))]
 
-  def kernel(q_ref, k_ref, v_ref, qpos_ref, meta_ref, *refs):
+  def kernel(q_ref, k_ref, v_ref, meta_ref, *refs):
     *tree_ref, o_ref = refs
-    qs, qpos_ = q_ref[...], qpos_ref[...]
-    base_ = meta_ref[2] if tree_ref else None
+    qs, start_ = q_ref[...], meta_ref[2]
     tree_ = tree_ref[0][...] if tree_ref else None
+    qpos_ = _positions(start_, tree_, pl.program_id(1) * tile, (tile, 1), seq)
 
     def body(i, carry):
       span = pl.ds(i * block, block)
       kpos = i * block + lax.broadcasted_iota(jnp.int32, (1, block), 1)
-      return _update(qs, k_ref[span, :], v_ref[span, :], qpos_, kpos, base_, tree_, window, softcap, carry)
+      return _update(qs, k_ref[span, :], v_ref[span, :], qpos_, kpos, start_, tree_, window, softcap, carry)
 
     init = (jnp.full((tile, 1), MASKED, jnp.float32), jnp.zeros((tile, 1), jnp.float32),
             jnp.zeros((tile, head_dim), jnp.float32))
     _, sum_, acc = lax.fori_loop(meta_ref[0], meta_ref[1], body, init)
-    o_ref[...] = acc / sum_
+    o_ref[...] = (acc / sum_).astype(o_ref.dtype)
 
   per_tile = lambda x, t: (x, t, 0)
   whole_row = lambda x, t: (x, 0, 0)
   out = pl.pallas_call(
       kernel, grid=(rows, tiles),
       in_specs=[pl.BlockSpec((None, tile, head_dim), per_tile), pl.BlockSpec((None, capacity, head_dim), whole_row),
-                pl.BlockSpec((None, capacity, head_dim), whole_row), pl.BlockSpec((None, tile, 1), per_tile),
-                pl.BlockSpec((None, None, 8), per_tile), *tree_specs],
+                pl.BlockSpec((None, capacity, head_dim), whole_row), pl.BlockSpec((None, None, 8), per_tile),
+                *tree_specs],
       out_specs=pl.BlockSpec((None, tile, head_dim), per_tile),
-      out_shape=jax.ShapeDtypeStruct((rows, tiles * tile, head_dim), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((rows, tiles * tile, head_dim), q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, cost_estimate=_cost(q, k),
-  )(q, k, v, qpos[:, :, None], meta, *tree_args)
+  )(q, k, v, meta, *tree_args)
   return out[:, :asked]
