@@ -71,7 +71,8 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
     return cache, model.logits_from_hidden(params, hidden, config)[0, 0, 0]
 
   cache = kvcache.init_cache(config, batch, capacity).rewind(jnp.full((batch,), used, jnp.int32))
-  cache = cache.replace(kernel=pallas_attention.select_kernel("auto", jax.default_backend()))  # as decoding reads
+  kernel = pallas_attention.select_kernel("auto", jax.default_backend(), config.head_dim)  # as decoding reads
+  cache = cache.replace(kernel=kernel)
   return timed_loop(one, cache, steps, donate=True), steps
 
 

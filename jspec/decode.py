@@ -90,9 +90,9 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None) -
   # with the kernel of the platform the program is for (a mesh's devices may be another machine's).
   final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
   platform = decoder.layout.mesh.devices.flat[0].platform if decoder.layout is not None else jax.default_backend()
-  kernel = pallas_attention.select_kernel(decoder.attention, platform)
+  kernel = lambda c: pallas_attention.select_kernel(decoder.attention, platform, c.k[0].shape[2])
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
-  with_len = lambda x: x.replace(rope_len=final_len_B, kernel=kernel) if is_cache(x) else x
+  with_len = lambda x: x.replace(rope_len=final_len_B, kernel=kernel(x)) if is_cache(x) else x
   return state.replace(target_cache=with_len(state.target_cache),
                        drafter_state=jax.tree.map(with_len, state.drafter_state, is_leaf=is_cache))
 

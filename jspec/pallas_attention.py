@@ -47,11 +47,14 @@ class Kernel:
   row_spec: Any = None  # how the cache's row axis is split on that mesh (a PartitionSpec entry)
 
 
-def select_kernel(attention: str, platform: str) -> Kernel | None:
+def select_kernel(attention: str, platform: str, head_dim: int | None = None) -> Kernel | None:
   """The kernel `--attention` asks for on a program for `platform` ("cpu", "tpu", "gpu"); None: the
   reference loop. `attention` is one of `ATTENTION_CHOICES` (`make_decoder` checks). A kernel for another
-  accelerator than the program's is refused; on a CPU it is interpreted."""
+  accelerator than the program's is refused; on a CPU it is interpreted. `auto` runs the loop where the
+  kernel cannot: the GPU's for a head dim that is not a power of two."""
   if attention == "auto":
+    if platform == "gpu" and head_dim is not None and head_dim & (head_dim - 1):
+      return None
     return next((Kernel(b) for b, p in KERNEL_PLATFORMS.items() if p == platform), None)
   if attention == "xla":
     return None

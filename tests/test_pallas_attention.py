@@ -38,7 +38,8 @@ def test_decoding_with_the_kernels_gives_the_same_greedy_tokens(backend):
 def test_a_kernel_for_another_accelerator_is_refused():
   assert pallas_attention.select_kernel("auto", "cpu") is None and pallas_attention.select_kernel("xla", "tpu") is None
   assert pallas_attention.select_kernel("auto", "tpu") == Kernel("tpu")
-  assert pallas_attention.select_kernel("auto", "gpu") == Kernel("gpu")
+  assert pallas_attention.select_kernel("auto", "gpu", 128) == Kernel("gpu")
+  assert pallas_attention.select_kernel("auto", "gpu", 96) is None  # the loop, where the kernel cannot run
   assert pallas_attention.select_kernel("gpu", "cpu") == Kernel("gpu", interpret=True)
   with pytest.raises(ValueError, match="the gpu attention kernel does not run on tpu"):
     pallas_attention.select_kernel("gpu", "tpu")
