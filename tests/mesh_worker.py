@@ -44,8 +44,10 @@ def runs(mesh):
   kw = dict(max_new_tokens=12, mesh=mesh)
   return {"ar": jspec.generate(target, prompts, **kw).token_ids,
           "spec": jspec.generate(target, prompts, draft=draft, spec=FIXED, **kw).token_ids,
-          # every cache read by the TPU kernel (interpreted), under shard_map over each device's rows
-          "kernel": jspec.generate(target, prompts, draft=draft, spec=FIXED, attention="tpu", **kw).token_ids,
+          # on the mesh with both axes, every cache read by the TPU kernel (interpreted), under shard_map over
+          # each device's rows
+          "kernel": jspec.generate(target, prompts, draft=draft, spec=FIXED, attention="tpu", **kw).token_ids
+          if mesh is not None and dict(mesh.shape) == {"data": 2, "model": 4} else None,
           "spec_replicated_draft": jspec.generate(target, prompts, draft=draft, spec=FIXED, shard_draft=False,
                                                   **kw).token_ids,
           "sampled": jspec.generate(target, prompts, draft=draft, spec=FIXED, temperature=1.0, seed=3,

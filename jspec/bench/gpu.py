@@ -141,7 +141,7 @@ def kernel_section(smoke: bool) -> dict:
             or pallas_attention.Kernel("gpu", interpret=True))
   errors = {}
   with jax.default_matmul_precision("highest"):
-    for case in (("chain", "tree") if smoke else testing.ATTENTION_CASES):
+    for case in (("chain",) if smoke else testing.ATTENTION_CASES):
       options = testing.ATTENTION_CASES[case]
       ref = testing.attention_case(None, jnp.float32, **options)
       errors[case] = {str(np.dtype(d)): float(jnp.abs(testing.attention_case(kernel, d, **options) - ref).max())
