@@ -39,7 +39,7 @@ class QueryRows:
     return self.start_X + (self.seq if self.tree_XxQSxA is None else self.tree_XxQSxA.shape[2])
 
 
-def query_rows(q_BxSxHxDh: jax.Array, kv_heads: int, lengths_B: jax.Array, heads_major: bool, window: int,
+def query_rows(q_BxSxHxDh: jax.Array, kv_heads: int, lengths_B: jax.Array, heads_major: bool,
                scale: float | None, dtype, tree_BxSxA: jax.Array | None) -> QueryRows:
   """The queries of `cached_attention` laid out per cache row, with what each may see."""
   batch, seq, heads, head_dim = q_BxSxHxDh.shape
@@ -88,7 +88,7 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   """
   batch, seq, heads, head_dim = q_BxSxHxDh.shape
   rows, capacity, _ = k_XxTxDh.shape
-  rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, window, scale, k_XxTxDh.dtype, tree_BxSxA)
+  rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, scale, k_XxTxDh.dtype, tree_BxSxA)
   if kernel is not None:
     out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap)
     return from_rows(out, batch, seq, heads_major, q_BxSxHxDh.dtype)

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
   from jspec.attention import QueryRows
 
 ROWS_PER_STEP = 8  # TPU: cache rows one grid step attends for (a Llama-3 row's 8 kv heads)
+QUERY_ROWS_PER_STEP = 512  # TPU: rows x queries of one grid step (its fp32 accumulators stay ~1 MB in VMEM)
+GPU_QUERY_TILE = 64  # GPU: queries per program
 
 
 KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu"}  # a kernel's backend -> the jax platform it compiles for
@@ -63,9 +65,6 @@ def select_kernel(attention: str, platform: str, head_dim: int | None = None) ->
   return Kernel(attention, interpret=platform == "cpu")
 
 
-QUERY_ROWS_PER_STEP = 512  # TPU: rows x queries of one grid step (its fp32 accumulators stay ~1 MB in VMEM)
-GPU_QUERY_TILE = 64  # GPU: queries per program
-
 
 def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, window: int,
            softcap: float | None) -> jax.Array:
@@ -88,8 +87,8 @@ def _cost(q: jax.Array, k: jax.Array) -> pl.CostEstimate:
   """What XLA's cost analysis counts for a kernel: every query over the whole cache (a full context; the
   kernel reads only the blocks in use)."""
   rows, capacity, head_dim = k.shape
-  scores = rows * q.shape[1] * capacity
-  return pl.CostEstimate(flops=4 * scores * head_dim, transcendentals=scores,
+  logits = rows * q.shape[1] * capacity
+  return pl.CostEstimate(flops=4 * logits * head_dim, transcendentals=logits,
                          bytes_accessed=2 * k.nbytes + 2 * q.nbytes)
 
 
