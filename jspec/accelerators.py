@@ -163,10 +163,10 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   devices = target.devices()
   mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
   place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
-  placed = place(decoder)
-  requests = sharding.place(memory.abstract_requests(placed, batch, prompt_width, capacity), mesh)
-  program = compiled(programs.lower(placed, requests))
-  placed = placed if round_decoder is None else place(round_decoder)
+  program_decoder = place(decoder)
+  requests = sharding.place(memory.abstract_requests(program_decoder, batch, prompt_width, capacity), mesh)
+  program = compiled(programs.lower(program_decoder, requests))
+  placed = program_decoder if round_decoder is None else place(round_decoder)
   state = started_state(placed, requests, capacity)
   per_device = target.per_device(len(devices))
   # The state donated, as the loop updates it in place: no copy of the caches into a fresh output counts.
@@ -179,10 +179,9 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
                   "XLA loop" if kernel is None else "Pallas TPU kernel")
   if not serving:
     return report
-  placed = place(decoder)
-  refused = server_refusal(placed)
-  return dataclasses.replace(report, server_refused=refused,
-                             server=None if refused else compile_server(placed, batch, prompt_width, capacity))
+  refused = server_refusal(program_decoder)
+  return dataclasses.replace(report, server_refused=refused, server=None if refused else
+                             compile_server(program_decoder, batch, prompt_width, capacity))
 
 
 def server_refusal(decoder: Decoder) -> str | None:
