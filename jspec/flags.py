@@ -137,6 +137,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                       "(default: the --tree-nodes paths likeliest to be accepted)")
 
 
+def add_attention_arg(g) -> None:
+  g.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                 help="how attention reads the KV caches: auto (a Pallas kernel on TPUs and GPUs, the XLA loop on "
+                      "CPUs), xla (that loop everywhere), tpu or gpu (that kernel; interpreted on a CPU)")
+
+
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
   """Compilation and distribution (shared with `python -m jspec.serve`)."""
   g = p.add_argument_group("compilation")
@@ -144,9 +150,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                  help="keep compiled programs here, so later runs load them instead of compiling "
                       "(default: $JSPEC_COMPILE_CACHE, else jspec/xla under the user's cache directory)")
   g.add_argument("--no-compile-cache", action="store_true", help="compile every run from scratch")
-  g.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
-                 help="how attention reads the KV caches: auto (a Pallas kernel on TPUs and GPUs, the XLA loop on "
-                      "CPUs), xla (that loop everywhere), tpu or gpu (that kernel; interpreted on a CPU)")
+  add_attention_arg(g)
 
   g = p.add_argument_group("distributed")
   g.add_argument("--mesh", default=None, metavar="SPEC",

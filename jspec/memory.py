@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jspec import cache as kvcache
-from jspec import decode, request, sharding
+from jspec import decode, pallas_attention, request, sharding
 from jspec.decoder import Decoder
 from jspec.machine import device_memory
 from jspec.request import Batch
@@ -86,24 +86,46 @@ class Usage:
             + self.workspace_bytes)
 
 
-def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill_rows: int | None = None) -> int:
-  """The activations' peak, without compiling: per row, ten fp32 vocabulary rows for each token a round
-  verifies (logits, probabilities, the draft's q, their residuals), and per row prefilled together (default
-  all), per prompt token, eight fp32 model-width rows (the prefill's residual stream and the features head
-  drafters keep) and two fp32 rows of attention scores over a cache block per head. It bounds what
+def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill_rows: int | None = None,
+                        model_shards: int = 1, scores_in_memory: bool = True) -> int:
+  """The activations' peak on one device, without compiling:
+  - per row, ten fp32 vocabulary rows for each token a round verifies (logits, probabilities, the draft's q,
+    their residuals);
+  - per row prefilled together (default all), per prompt token, twice one layer's activations in the model's
+    dtype (XLA keeps the next layer's beside the current one): three model-width rows (the residual stream,
+    the attention's projected output, the MLP's input), this device's share (`model_shards`) of the
+    queries, keys, values and attention output and of the MLP's two hidden rows, and the feature layers a
+    head drafter keeps;
+  - `scores_in_memory` (the XLA loop; a kernel keeps them on chip): six fp32 rows of a block's scores per
+    query head per prompt token.
+  The constants are set against XLA's TPU compiles (docs/hardware.md); on a CPU the estimate bounds what
   `jspec.shaped.compiled_workspace` measures (tests/test_memory.py)."""
   config = decoder.target_config
-  verified = decoder.headroom + 1
+  share = lambda n: -(-n // model_shards)
+  tree = decoder.spec.tree if decoder.drafter is not None else None
+  verified = 1 + (0 if decoder.drafter is None else decoder.draft_len if tree is None else tree.nodes)
   prefill_rows = batch if prefill_rows is None else prefill_rows
-  per_prompt_token = 8 * config.dim + 2 * config.n_heads * kvcache.BLOCK_SIZE
-  return 4 * (batch * 10 * verified * config.vocab_size + prefill_rows * prompt_width * per_prompt_token)
+  layer = (3 * config.dim + 2 * (share(config.n_heads) + share(config.n_kv_heads)) * config.head_dim
+           + 2 * share(config.mlp_dim))
+  per_prompt_token = ((2 * layer + len(decoder.feature_layers) * config.dim) * jnp.dtype(config.jnp_dtype).itemsize
+                      + scores_in_memory * 6 * 4 * config.n_heads * kvcache.BLOCK_SIZE)
+  return 4 * batch * 10 * verified * config.vocab_size + prefill_rows * prompt_width * per_prompt_token
+
+
+def scores_in_memory(decoder: Decoder, platform: str) -> bool:
+  """Whether the attention a program for `platform` runs holds its scores in memory: the XLA loop, or a
+  kernel Pallas interprets."""
+  kernel = pallas_attention.select_kernel(decoder.attention, platform, decoder.target_config.head_dim)
+  return kernel is None or kernel.interpret
 
 
 def usage(decoder: Decoder, batch: int, prompt_width: int, capacity: int, mesh=None, shard_draft: bool = True,
-          workspace_per_row: float | None = None, prefill_rows: int | None = None) -> Usage:
+          workspace_per_row: float | None = None, prefill_rows: int | None = None,
+          platform: str | None = None) -> Usage:
   """What one device holds for `batch` rows of `capacity` cache slots, prompts padded to `prompt_width`
   (`prefill_rows` of them prefilled together; default all). `workspace_per_row`: a measured workspace
-  (`jspec.shaped.compiled_workspace` / rows), else `estimated_workspace`."""
+  (`jspec.shaped.compiled_workspace` / rows), else `estimated_workspace` for the attention a program for
+  `platform` runs (default: the mesh's devices')."""
   shape = axis_sizes(mesh)
   plan_mesh = planned_mesh(shape)
   target_config, drafter = decoder.target_config, decoder.drafter
@@ -128,9 +150,13 @@ def usage(decoder: Decoder, batch: int, prompt_width: int, capacity: int, mesh=N
   draft_kv = cache_bytes(state.drafter_state, draft_config)
   rows_here = batch // shape["data"] if batch % shape["data"] == 0 else batch
   rest = nbytes(state) - nbytes((state.target_cache, state.drafter_state))
-  activations = (workspace_per_row * rows_here if workspace_per_row is not None
-                 else estimated_workspace(decoder, rows_here, prompt_width,
-                                          None if prefill_rows is None else min(prefill_rows, rows_here)))
+  if workspace_per_row is not None:
+    activations = workspace_per_row * rows_here
+  else:
+    scores = scores_in_memory(decoder, platform or pallas_attention.platform_of(mesh))
+    activations = estimated_workspace(decoder, rows_here, prompt_width,
+                                      None if prefill_rows is None else min(prefill_rows, rows_here), shape["model"],
+                                      scores)
   return Usage(weights, draft_weights, kv, draft_kv, int(rest + activations))
 
 
@@ -196,11 +222,12 @@ def shape(decoder: Decoder, context: int, prompt_len: int, serving: bool = False
 
 def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, mesh=None, shard_draft: bool = True,
               memory: tuple[int, str] | None = None, workspace_per_row: float | None = None,
-              serving: bool = False) -> Plan:
+              serving: bool = False, platform: str | None = None) -> Plan:
   """The plan for `batch` rows holding `context` tokens each, of which `prompt_len` are prompt, against
   `memory` per device (default `device_memory(mesh)`). A batch prefills its rows together; a serving
   engine (`serving`) one request at a time, with caches shaped as `shape` says. `workspace_per_row`: the
-  workspace XLA reports (`jspec.shaped.compiled_workspace_per_row`), else the estimate."""
+  workspace XLA reports (`jspec.shaped.compiled_workspace_per_row`), else the estimate for `platform`'s
+  attention (`usage`)."""
   prefill_rows = 1 if serving else None
   width, capacity = shape(decoder, context, prompt_len, serving)
   per_row, source = workspace_per_row, "estimate" if workspace_per_row is None else "compiled"
@@ -208,7 +235,7 @@ def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, me
 
   def need(rows: int, ctx: int) -> Usage:
     w, c = shape(decoder, ctx, min(prompt_len, max(ctx - 1, 1)), serving)
-    return usage(decoder, rows, w, c, mesh, shard_draft, per_row, prefill_rows)
+    return usage(decoder, rows, w, c, mesh, shard_draft, per_row, prefill_rows, platform)
   return Plan(batch, context, prompt_len, capacity, math.prod(axis_sizes(mesh).values()), need(batch, context),
               source, memory[0], memory[1], max_batch(need, context, memory[0], axis_sizes(mesh)["data"]),
               max_context(need, batch, decoder.context_len, memory[0]))

@@ -49,6 +49,13 @@ class Kernel:
   row_spec: Any = None  # how the cache's row axis is split on that mesh (a PartitionSpec entry)
 
 
+def platform_of(mesh) -> str:
+  """The platform a program on `mesh` is compiled for: its devices' (which may be another machine's), or
+  this machine's backend (no mesh, or a planned one without devices)."""
+  devices = getattr(mesh, "devices", None)
+  return devices.flat[0].platform if devices is not None else jax.default_backend()
+
+
 def select_kernel(attention: str, platform: str, head_dim: int | None = None) -> Kernel | None:
   """The kernel `--attention` asks for on a program for `platform` ("cpu", "tpu", "gpu"); None: the
   reference loop. `attention` is one of `ATTENTION_CHOICES` (`make_decoder` checks). A kernel for another
@@ -63,7 +70,6 @@ def select_kernel(attention: str, platform: str, head_dim: int | None = None) ->
   if platform not in (KERNEL_PLATFORMS[attention], "cpu"):
     raise ValueError(f"the {attention} attention kernel does not run on {platform}")
   return Kernel(attention, interpret=platform == "cpu")
-
 
 
 def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, window: int,

@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
                  help="also compile the decode program for this TPU topology (e.g. tpu:v5e:2x4; chips: v4, v5e, "
                       "v5p, v6e) with abstract weights, and report XLA's memory per device and a roofline estimate "
                       "of a step and a round (needs libtpu: pip install -e \".[tpu]\")")
+  flags.add_attention_arg(g)
   g.add_argument("--estimate", action="store_true",
                  help="estimate the workspace instead of compiling the decode program to measure it (it is "
                       "always estimated for other devices: with --device-memory or --mesh)")
@@ -79,6 +80,15 @@ def planned_dtype(args: argparse.Namespace) -> str | None:
   fields = checkpoint.read_json(path / "config.json" if path.is_dir() else path)
   stated = fields.get("torch_dtype") or (fields.get("dtype") if "model_type" in fields else None)
   return "float32" if stated == "float32" else "bfloat16"
+
+
+def planned_platform(args: argparse.Namespace) -> str | None:
+  """What the plan's attention runs on: a TPU's kernel for `--compile-for`, an accelerator's for
+  `--device-memory` (the GPU's, which a head dim that is not a power of two cannot take), else this
+  machine's."""
+  if args.compile_for is not None:
+    return "tpu"
+  return "gpu" if args.device_memory is not None else None
 
 
 def plan(args: argparse.Namespace):
@@ -110,7 +120,7 @@ def plan(args: argparse.Namespace):
   spec = None if drafter is None and draft is None else SpecConfig(args.draft_len, drafter=drafter)
   sizes = sharding.mesh_sizes(args.mesh or "")
   mesh = memory.planned_mesh(sizes) if args.mesh else None
-  decoder = shaped.shaped_decoder(target, draft, spec, args.batch_size)
+  decoder = shaped.shaped_decoder(target, draft, spec, args.batch_size, args.attention)
   context = args.context or decoder.context_len
   if context > decoder.context_len:
     raise ValueError(f"--context {context} exceeds the model's context of {decoder.context_len} tokens")
@@ -129,13 +139,13 @@ def plan(args: argparse.Namespace):
       decoder, args.batch_size, context, prompt_len, mesh, args.serving)
   result = memory.make_plan(decoder, args.batch_size, context, prompt_len, mesh=mesh,
                             shard_draft=not args.replicate_draft, memory=available, workspace_per_row=measured,
-                            serving=args.serving)
+                            serving=args.serving, platform=planned_platform(args))
   report = None
   if compile_for is not None:
     from jspec import accelerators
     width, capacity = memory.shape(decoder, context, prompt_len, args.serving)
-    fixed = None if spec is None else shaped.shaped_decoder(target, draft, dataclasses.replace(spec, adaptive=None),
-                                                            args.batch_size)  # a round of K, not every K's branch
+    fixed = None if spec is None else shaped.shaped_decoder(  # a round of K, not every K's branch
+        target, draft, dataclasses.replace(spec, adaptive=None), args.batch_size, args.attention)
     report = accelerators.compile_for(compile_for, decoder, args.batch_size, width, capacity, args.mesh,
                                       not args.replicate_draft, fixed, args.serving)
   return result, drafter, report

@@ -16,12 +16,13 @@ from jspec import decode, memory, programs
 from jspec.decoder import Decoder, make_decoder
 
 
-def shaped_decoder(target, draft, spec, batch: int) -> Decoder:
+def shaped_decoder(target, draft, spec, batch: int, attention: str = "auto") -> Decoder:
   """`make_decoder` over models whose parameters may be shapes only (`jspec.loading.load_shapes`):
   a decoder of abstract arrays, nothing allocated."""
   with_params = lambda m, p: None if m is None else dataclasses.replace(m, params=p)
-  return jax.eval_shape(lambda tp, dp: make_decoder(with_params(target, tp), with_params(draft, dp), spec, batch),
-                        target.params, None if draft is None else draft.params)
+  build = lambda tp, dp: make_decoder(with_params(target, tp), with_params(draft, dp), spec, batch,
+                                      attention=attention)
+  return jax.eval_shape(build, target.params, None if draft is None else draft.params)
 
 
 def _one_layer(decoder: Decoder) -> Decoder:

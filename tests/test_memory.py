@@ -3,6 +3,7 @@ refusal of what cannot fit (API, CLI, engine, server) before anything is allocat
 import dataclasses
 import json
 import math
+import pathlib
 
 import jax
 import numpy as np
@@ -179,6 +180,8 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
   assert out["fits"] == (out["total_bytes"] <= out["device_memory_bytes"])
   assert plan.main([*args, "--json", "--dtype", "float32"]) == 0  # another device is planned in bf16 unless told
   assert json.loads(capsys.readouterr().out)["weights_bytes"] == 2 * out["weights_bytes"]
+  assert plan.main([*args, "--json", "--attention", "xla"]) == 0  # attention scores in memory: more workspace
+  assert json.loads(capsys.readouterr().out)["workspace_bytes"] > out["workspace_bytes"]
   assert plan.main(args) == 0
   text = capsys.readouterr().out
   assert "target KV cache" in text and "largest batch at 512 tokens" in text
@@ -187,6 +190,15 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
     assert plan.main([*args, *bad]) == 2
     assert message in capsys.readouterr().err
   assert plan.parse_bytes("80GB") == 80 * 10 ** 9 and plan.parse_bytes("24 GiB") == 24 * 2 ** 30
+
+
+@pytest.mark.parametrize("draft", ["llama-3.2-1b", "llama-3-70b-eagle"])
+def test_the_documented_configs_plan(draft, capsys):
+  """docs/memory.md's deployment, as its command runs it, with each documented drafter."""
+  configs = pathlib.Path(__file__).parents[1] / "docs" / "plan"
+  assert plan.main(["--target", str(configs / "llama-3-70b.json"), "--draft", str(configs / f"{draft}.json"),
+                    "--mesh", "model=2", "--device-memory", "80GB", "--context", "8192", "--serving", "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["fits"]
 
 
 def test_the_plan_shapes_caches_as_generate_and_the_engine_do():
