@@ -72,7 +72,7 @@ def from_rows(out_XxQSxDh: jax.Array, batch: int, seq: int, heads_major: bool, d
 def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, lengths_B: jax.Array,
                      heads_major: bool = False, window: int = 0, softcap: float | None = None,
                      scale: float | None = None, tree_BxSxA: jax.Array | None = None,
-                     kernel: Kernel | None = None) -> jax.Array:
+                     kernel: Kernel | None = None, page_table_BxR: jax.Array | None = None) -> jax.Array:
   """Causal attention of S new queries over a cache that already holds them.
 
   Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i` (and, with a
@@ -84,10 +84,19 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
 
   `kernel`: a Pallas kernel for the accelerator (`jspec.pallas_attention`); None runs the reference below,
   the CPU's path: a loop over the blocks of BLOCK_SIZE slots that some query can see, with an online
-  softmax, so a step costs what the rows hold, not what the cache could hold.
+  softmax, so a step costs what the rows hold, not what the cache could hold. `page_table_BxR`: the cache
+  is a pool of pages `[pages, J, BLOCK_SIZE, Dh]` (`jspec.cache`, batch-major), block i of row b in page
+  `page_table_BxR[b, i]`.
   """
   batch, seq, heads, head_dim = q_BxSxHxDh.shape
-  rows, capacity, _ = k_XxTxDh.shape
+  if page_table_BxR is None:
+    rows, capacity, _ = k_XxTxDh.shape
+    block_of = lambda buf, i: lax.dynamic_slice_in_dim(buf, i * block, block, axis=1)
+  else:
+    if kernel is not None:
+      raise ValueError("the attention kernels read contiguous caches, not pages")
+    rows, capacity = batch * k_XxTxDh.shape[1], page_table_BxR.shape[1] * BLOCK_SIZE
+    block_of = lambda buf, i: buf[page_table_BxR[:, i]].reshape(rows, BLOCK_SIZE, head_dim)
   rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, scale, k_XxTxDh.dtype, tree_BxSxA)
   if kernel is not None:
     out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap)
@@ -103,8 +112,7 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
 
   def attend_block(i, carry):
     max_XxQS, sum_XxQS, acc_XxQSxDh = carry
-    k_blk = lax.dynamic_slice_in_dim(k_XxTxDh, i * block, block, axis=1)
-    v_blk = lax.dynamic_slice_in_dim(v_XxTxDh, i * block, block, axis=1)
+    k_blk, v_blk = block_of(k_XxTxDh, i), block_of(v_XxTxDh, i)
     s_XxQSxT = masking.scores(jnp.einsum("xqd,xtd->xqt", q_XxQSxDh, k_blk, preferred_element_type=jnp.float32), softcap)
     kpos_T = i * block + jnp.arange(block)
     visible = masking.visible(kpos_T[None, None, :], qpos_XxQS[:, :, None], window)

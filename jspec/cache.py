@@ -8,6 +8,11 @@ reshape with the in-loop update and then copies the whole buffer every step (see
 layer has its own buffer, so no slice of a stacked `[N, ...]` buffer stands between the update and the
 matmul either.
 
+Paged (`page_table` set): each layer's buffers are a pool of pages, `[pages, J, PAGE_SIZE, Dh]`, and row b's
+slots `[r*PAGE_SIZE, (r+1)*PAGE_SIZE)` live in page `page_table[b, r]`. A page is an attention block, so
+attention reads a row's blocks through its page table. Rows may share a page (a common prefix) as long as
+neither writes into it. Pools are batch-major only.
+
 Row b holds its tokens in slots `[0, lengths[b])`. Writing S new tokens puts them at `lengths[b]`;
 anything past a row's length is stale and masked out, so rollback is only a smaller `lengths`.
 """
@@ -25,6 +30,7 @@ from jspec.config import ModelConfig
 # Attention reads the cache in blocks of this many slots, and only the blocks in use (see attention.py),
 # so the cost of a step follows the tokens held, not the capacity. Capacities are multiples of it.
 BLOCK_SIZE = 128
+PAGE_SIZE = BLOCK_SIZE  # slots per page of a paged cache: one attention block
 
 
 @flax.struct.dataclass
@@ -35,10 +41,28 @@ class KVCache:
   rope_len: jax.Array  # [B] int32: each row's final length, for length-dependent RoPE (`jspec.rope`)
   heads_major: bool = flax.struct.field(pytree_node=False, default=False)  # row j*B + b instead of b*J + j
   kernel: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.pallas_attention.Kernel; None: reference
+  page_table: jax.Array | None = None  # [B, R] int32: the pool page of each row's R pages; None: contiguous rows
 
   def row(self, b, j, batch: int, kv_heads: int):
-    """The buffer row of batch row b's kv head j."""
+    """The buffer row of batch row b's kv head j (contiguous rows; for a pool, of page b of `batch`)."""
     return j * batch + b if self.heads_major else b * kv_heads + j
+
+  @property
+  def kv_heads(self) -> int:
+    return self.k[0].shape[0] // self.lengths.shape[0] if self.page_table is None else self.k[0].shape[1]
+
+  @property
+  def capacity(self) -> int:
+    """Slots each row may hold."""
+    return self.k[0].shape[1] if self.page_table is None else self.page_table.shape[1] * PAGE_SIZE
+
+  def locate(self, b, j, slot) -> tuple:
+    """The index into a buffer of batch row b's kv head j at `slot` (arrays broadcast); a slot past a
+    paged row's capacity is in no page (one past the pool's last, which a scatter drops)."""
+    if self.page_table is None:
+      return self.row(b, j, self.lengths.shape[0], self.kv_heads), slot
+    page = self.page_table[b, jnp.minimum(slot // PAGE_SIZE, self.page_table.shape[1] - 1)]
+    return jnp.where(slot < self.capacity, page, self.k[0].shape[0]), j, slot % PAGE_SIZE
 
   def rewind(self, lengths_B: jax.Array) -> KVCache:
     """Rolls each row back (or forward over slots already written) to `lengths_B`. Nothing is copied."""
@@ -67,30 +91,41 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, heads_major: bool
                  rope_len=jnp.zeros((batch,), jnp.int32), heads_major=heads_major)
 
 
+def paged(cache: KVCache, page_table_BxR: jax.Array, pages: int) -> KVCache:
+  """`cache` (empty, batch-major) as a pool of `pages` pages read through `page_table_BxR`."""
+  if cache.heads_major:
+    raise ValueError("a paged cache is batch-major (a mesh that splits kv heads cannot page it)")
+  shape = (pages, cache.kv_heads, PAGE_SIZE, cache.k[0].shape[2])
+  zeros = lambda bufs: tuple(jnp.zeros(shape, b.dtype) for b in bufs)
+  return cache.replace(k=zeros(cache.k), v=zeros(cache.v), page_table=page_table_BxR.astype(jnp.int32))
+
+
 # Up to this many rows, each row gets its own in-place dynamic_update_slice (a vmapped one becomes a select
 # over the whole buffer). Larger batches use one scatter, so the program does not grow with the batch.
 MAX_UNROLLED_ROWS = 16
 
 
 def write(cache: KVCache, buf: jax.Array, new_BxSxJxDh: jax.Array) -> jax.Array:
-  """Writes row b's S new entries at slots `[lengths[b], lengths[b] + S)` of one of `cache`'s buffers.
+  """Writes row b's S new entries at slots `[lengths[b], lengths[b] + S)` of one of `cache`'s buffers (through
+  its page table when paged: one scatter).
 
-  Callers guarantee `lengths + S <= T` (checked before tracing): a dynamic_update_slice would clamp and
-  overwrite the last slots, and the scatter drops what falls outside.
+  Callers guarantee `lengths + S <= capacity` (checked before tracing): a dynamic_update_slice would clamp
+  and overwrite the last slots, and the scatter drops what falls outside.
   """
   batch, seq, kv_heads, _ = new_BxSxJxDh.shape
   lengths_B = cache.lengths
   new_BxJxSxDh = new_BxSxJxDh.transpose(0, 2, 1, 3).astype(buf.dtype)
-  if batch <= MAX_UNROLLED_ROWS and not cache.heads_major:  # a row's J heads are adjacent: one update
+  contiguous = cache.page_table is None
+  if contiguous and batch <= MAX_UNROLLED_ROWS and not cache.heads_major:  # a row's J heads adjacent: one update
     for b in range(batch):
       buf = lax.dynamic_update_slice(buf, new_BxJxSxDh[b], (b * kv_heads, lengths_B[b], 0))
     return buf
-  if batch * kv_heads <= MAX_UNROLLED_ROWS:
+  if contiguous and batch * kv_heads <= MAX_UNROLLED_ROWS:
     for b in range(batch):
       for j in range(kv_heads):
         buf = lax.dynamic_update_slice(buf, new_BxJxSxDh[b, j:j + 1], (cache.row(b, j, batch, kv_heads),
                                                                         lengths_B[b], 0))
     return buf
-  rows_BxJx1 = cache.row(jnp.arange(batch)[:, None], jnp.arange(kv_heads), batch, kv_heads)[:, :, None]
-  slots_Bx1xS = (lengths_B[:, None] + jnp.arange(seq))[:, None, :]
-  return buf.at[rows_BxJx1, slots_Bx1xS].set(new_BxJxSxDh, mode="drop")
+  at = cache.locate(jnp.arange(batch)[:, None, None], jnp.arange(kv_heads)[None, :, None],
+                    (lengths_B[:, None] + jnp.arange(seq))[:, None, :])
+  return buf.at[at].set(new_BxJxSxDh, mode="drop")

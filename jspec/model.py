@@ -201,8 +201,9 @@ def cached_layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Ar
   def attend(i, q, k, v):
     ks[i] = kvcache.write(cache, ks[i], k)
     vs[i] = kvcache.write(cache, vs[i], v)
-    return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major,
-                                      tree_BxSxA=tree_BxSxA, kernel=cache.kernel, **attention_options(config, i))
+    return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major, tree_BxSxA=tree_BxSxA,
+                                      kernel=cache.kernel, page_table_BxR=cache.page_table,
+                                      **attention_options(config, i))
 
   x_BxSxD = layer_stack(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len, outputs, first_input_BxSxA)
   return x_BxSxD, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BxSxD.shape[1])

@@ -38,6 +38,9 @@ class Batch:
   speculate_B: jax.Array  # bool: row b may accept drafts (False: it decodes plainly, in speculative rounds)
   constraint: Automata | None = None  # each row's constraint automaton (None: no row is constrained)
   capacity: int | None = flax.struct.field(pytree_node=False, default=None)
+  # Paged caches (`jspec.cache`): each row's pages in a pool of `pages` (static); None: contiguous rows.
+  page_table_BxR: jax.Array | None = None  # int32 [B, capacity / PAGE_SIZE]
+  pages: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def prompt_bucket(length: int) -> int:

@@ -37,6 +37,9 @@ def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, i
   shape = None if state.constraint is None else state.constraint.bucket
   requests = make_batch(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width,
                                    constraint_shape=shape)
+  table = state.target_cache.page_table
+  if table is not None:  # a pool is batch-wide; its page table is per row
+    requests = requests.replace(page_table_BxR=table[:1], pages=state.target_cache.k[0].shape[0])
   return _row_blocks(decoder, requests, capacity)
 
 

@@ -179,11 +179,10 @@ def compact(cache: KVCache, base_B: jax.Array, path_BxL1: jax.Array) -> KVCache:
   `base + 0..L` of every layer: a gather of L1 entries per row, then the cache's in-place row update.
   Returns the cache with the lengths it had (the caller rewinds it)."""
   batch = path_BxL1.shape[0]
-  kv_heads = cache.k[0].shape[0] // batch
-  rows_BxJx1 = cache.row(jnp.arange(batch)[:, None], jnp.arange(kv_heads), batch, kv_heads)[:, :, None]
-  slots_Bx1xL1 = (base_B[:, None] + path_BxL1)[:, None, :]
+  at = cache.locate(jnp.arange(batch)[:, None, None], jnp.arange(cache.kv_heads)[None, :, None],
+                    (base_B[:, None] + path_BxL1)[:, None, :])
   at_base = cache.rewind(base_B)
-  move = lambda buf: kvcache.write(at_base, buf, buf[rows_BxJx1, slots_Bx1xL1].transpose(0, 2, 1, 3))
+  move = lambda buf: kvcache.write(at_base, buf, buf[at].transpose(0, 2, 1, 3))
   return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
