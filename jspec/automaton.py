@@ -44,6 +44,20 @@ class Tables:
     return self.class_V.nbytes + self.next_UxY.nbytes
 
 
+def advanced(tables: Tables, tokens: Sequence[int]) -> Tables:
+  """The same constraint started after `tokens` (which it allows): the state they lead to renumbered as
+  the start, 0 (swapped with it)."""
+  state = 0
+  for token in tokens:
+    state = int(tables.next_UxY[state, tables.class_V[token]])
+    if state < 0:
+      raise ValueError("the tokens leave the constraint")
+  swap = np.arange(tables.num_states)
+  swap[[0, state]] = swap[[state, 0]]  # its own inverse
+  next_UxY = tables.next_UxY[swap]
+  return Tables(tables.class_V, np.where(next_UxY >= 0, swap[np.maximum(next_UxY, 0)], -1).astype(np.int32))
+
+
 @flax.struct.dataclass
 class Automata:
   class_BxV: jax.Array  # int32: token -> class

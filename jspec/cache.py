@@ -100,6 +100,25 @@ def paged(cache: KVCache, page_table_BxR: jax.Array, pages: int) -> KVCache:
   return cache.replace(k=zeros(cache.k), v=zeros(cache.v), page_table=page_table_BxR.astype(jnp.int32))
 
 
+def _paged_caches(fn, tree, *rest):
+  """`fn` applied to each paged cache of `tree` (with the matching parts of `rest`, of the same structure)."""
+  is_cache = lambda x: isinstance(x, KVCache)
+  return jax.tree.map(lambda c, *r: fn(c, *r) if is_cache(c) and c.page_table is not None else c, tree, *rest,
+                      is_leaf=is_cache)
+
+
+def take_pools(tree, source):
+  """`tree` (a decode state) with its paged caches' pools taken from `source`'s (a state of the same
+  structure): what a prefill into a running batch's pools starts from, or leaves."""
+  return _paged_caches(lambda c, s: c.replace(k=s.k, v=s.v), tree, source)
+
+
+def with_page_table(tree, page_table_BxR):
+  """`tree` (a decode state) with every paged cache reading through `page_table_BxR`, each from a buffer of
+  its own (a program that donates the state takes each buffer once)."""
+  return _paged_caches(lambda c: c.replace(page_table=jnp.array(page_table_BxR, jnp.int32)), tree)
+
+
 # Up to this many rows, each row gets its own in-place dynamic_update_slice (a vmapped one becomes a select
 # over the whole buffer). Larger batches use one scatter, so the program does not grow with the batch.
 MAX_UNROLLED_ROWS = 16

@@ -67,9 +67,11 @@ class DecodeState:
     return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling, self.constraint)
 
 
-def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None) -> DecodeState:
+def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None,
+               pools: DecodeState | None = None) -> DecodeState:
   """A state holding the right-padded prompts and empty caches of `capacity` slots (default: the requests'
-  own, `Batch.capacity`)."""
+  own, `Batch.capacity`); paged caches (`requests.page_table_BxR`) in `pools`' pools when given (a
+  running state's), else in empty ones."""
   capacity = _capacity(requests, capacity)
   batch, prompt_width = requests.prompts_BxP.shape
   tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(requests.prompts_BxP)
@@ -99,8 +101,9 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None) -
                     if table_BxR is not None and c.capacity == capacity else c.replace(kernel=kernel(c)))
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
   with_len = lambda x: pool(x).replace(rope_len=final_len_B) if is_cache(x) else x
-  return state.replace(target_cache=with_len(state.target_cache),
-                       drafter_state=jax.tree.map(with_len, state.drafter_state, is_leaf=is_cache))
+  state = state.replace(target_cache=with_len(state.target_cache),
+                        drafter_state=jax.tree.map(with_len, state.drafter_state, is_leaf=is_cache))
+  return state if pools is None else kvcache.take_pools(state, pools)
 
 
 def _capacity(requests: Batch, capacity: int | None) -> int:
@@ -110,10 +113,12 @@ def _capacity(requests: Batch, capacity: int | None) -> int:
   return capacity
 
 
-def start(decoder: Decoder, requests: Batch, capacity: int | None = None) -> DecodeState:
+def start(decoder: Decoder, requests: Batch, capacity: int | None = None,
+          pools: DecodeState | None = None) -> DecodeState:
   """The state after both prefills, ready for `run` or `step`, with caches of `capacity` slots (default:
-  `requests.capacity`), laid out by `decoder.layout` on a mesh."""
-  state = init_state(decoder, requests, capacity)
+  `requests.capacity`), laid out by `decoder.layout` on a mesh; paged caches prefilled into `pools`' pools
+  when given (`init_state`)."""
+  state = init_state(decoder, requests, capacity, pools)
   if decoder.layout is not None:
     state = decoder.layout.constrain_caches(state)
   prompts_BxP, lens_B = requests.prompts_BxP, requests.prompt_lens_B

@@ -272,3 +272,25 @@ def check(decoder: Decoder, batch: int, context: int, prompt_len: int, mesh=None
   if usage(decoder, batch, width, capacity, mesh, shard_draft, None, 1 if serving else None).total_bytes > memory[0]:
     raise ValueError(make_plan(decoder, batch, context, prompt_len, mesh=mesh, shard_draft=shard_draft,
                                memory=memory, serving=serving).refusal())
+
+
+def pool_pages(decoder: Decoder, slots: int, max_len: int, pages: int | None = None, mesh=None,
+               shard_draft: bool = True, memory: tuple[int, str] | None = None) -> int:
+  """The usable pages of a serving engine's paged caches (`jspec.pages`): `pages`, or as many as fit beside
+  the weights and the workspace, at most every slot's whole context. A one-line ValueError when the pool
+  asked for, or a single page, does not fit."""
+  memory = memory or device_memory(mesh)
+  width, capacity = shape(decoder, max_len, max_len - 1, serving=True)
+  need = usage(decoder, slots, width, capacity, mesh, shard_draft, None, 1)
+  caches = need.kv_cache_bytes + need.draft_kv_cache_bytes
+  per_row = capacity // kvcache.PAGE_SIZE
+  page_bytes = caches / (slots * per_row)
+  fit = int((memory[0] - (need.total_bytes - caches)) // page_bytes) - 1  # less the scratch page
+  wanted = min(fit, slots * per_row) if pages is None else pages
+  if wanted > fit or wanted < 1:
+    raise ValueError(f"{max(wanted, 1)} KV pages of {kvcache.PAGE_SIZE} tokens need "
+                     f"{gb(int((max(wanted, 1) + 1) * page_bytes))} beside {gb(need.total_bytes - caches)} of weights "
+                     f"and workspace, but {gb(memory[0])} is available ({memory[1]}): "
+                     + (f"at most {fit} pages fit" if fit >= 1 else "not even one page fits"))
+  return wanted
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
+from jspec import cache as kvcache
 from jspec.decode import DecodeState, init_state, run, start
 from jspec.decoder import Decoder
 from jspec.request import Batch, make_batch
@@ -51,12 +52,14 @@ def insert(decoder: Decoder, state: DecodeState, requests: Batch, slot: jax.Arra
   if state.target_cache.heads_major:
     raise ValueError("insert needs batch-major caches (a mesh that splits kv heads lays them out by head)")
   capacity = state.tokens_BxT.shape[1]
-  fresh = start(decoder, requests, capacity)
+  paged = state.target_cache.page_table is not None
+  fresh = start(decoder, requests, capacity, state if paged else None)  # paged: prefilled into the pools
   leaves, treedef = jax.tree.flatten(state)
   new_leaves = [x if block is None else lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), slot * block[1],
                                                                         block[0])
                 for x, y, block in zip(leaves, jax.tree.leaves(fresh), _row_blocks(decoder, requests, capacity))]
-  return jax.tree.unflatten(treedef, new_leaves)
+  inserted = jax.tree.unflatten(treedef, new_leaves)
+  return kvcache.take_pools(inserted, fresh) if paged else inserted
 
 
 def _row_blocks(decoder: Decoder, requests: Batch, capacity: int) -> list[tuple[int, int] | None]:

@@ -14,6 +14,12 @@ come, first served. A segment ends early when a row finishes while requests wait
 idle. A request's tokens depend only on its own row, so they are those it would get decoded alone (with a
 fixed K; adaptive K is chosen for the whole batch, which changes which tokens a sampled row draws, never
 their distribution).
+
+Off a mesh the caches are paged (`jspec.cache`, `jspec.pages`): a pool of pages that the memory budget sizes,
+shared by the slots. A request is admitted when pages for its prompt and a segment's tokens are free; before
+each segment every running row is given the pages it may write into during it; when the pool runs out the
+youngest request is preempted (its pages freed, it waits at the head of the queue, and later resumes from
+its prompt and the tokens it has emitted, recomputed), as vLLM does.
 """
 from __future__ import annotations
 
@@ -28,8 +34,10 @@ import jax
 import numpy as np
 
 from jspec import automaton, constraints, machine, memory, programs, request, sharding
+from jspec import cache as kvcache
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder
+from jspec.pages import NULL_PAGE, PageTable, pages_for
 from jspec.request import GREEDY
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
@@ -94,26 +102,43 @@ class _Text:
 
 @dataclasses.dataclass
 class _Running:
-  """The host's side of an occupied slot."""
+  """The host's side of a request that has started (in a slot, or waiting again after a preemption)."""
   id: Hashable
-  request: Request
+  request: Request  # after a preemption: the prompt with the tokens emitted before it, and fewer new tokens
   text: _Text
   stop_ids: frozenset[int]
-  sent: int = 0  # tokens handed out
+  admitted: int = 0  # admission order: the youngest is preempted first
+  tables: constraints.Tables | None = None  # the constraint, started after the tokens emitted so far
+  emitted: list[int] = dataclasses.field(default_factory=list)  # tokens of `request`'s output handed out
+
+  @property
+  def sent(self) -> int:
+    return len(self.emitted)
+
+  def resumed(self) -> _Running:
+    """The request to restart after a preemption: its prompt and output so far, recomputed."""
+    req = self.request
+    tables = self.tables if self.tables is None else automaton.advanced(self.tables, self.emitted)
+    request = dataclasses.replace(req, prompt_ids=[*req.prompt_ids, *self.emitted],
+                                  max_new_tokens=req.max_new_tokens - len(self.emitted))
+    return dataclasses.replace(self, request=request, tables=tables, emitted=[])
 
 
 class Engine:
   """Requests in (`add`, from any thread), deltas out (`step`, from one thread).
 
   `slots` rows decode together; each holds up to `max_len` tokens (prompt and output; default the
-  decoder's context). A request that cannot fit is refused by `add` with a ValueError, before it waits.
+  decoder's context). Off a mesh their caches are `pages` pages of a pool (default: as many as fit
+  `memory_fraction` of the device, at most every slot's whole context). A request that cannot fit (a row,
+  or the pool) is refused by `add` with a ValueError, before it waits.
   `narrow` runs segments at narrower widths when few rows are busy (one program per width); False keeps
   one width, for batch jobs, whose narrow stretch is only their tail.
   Slots that do not fit `memory_fraction` of the device (`jspec.memory`) are refused with a ValueError.
   """
 
   def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
-               segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True, memory_fraction: float = 1.0):
+               segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True, memory_fraction: float = 1.0,
+               pages: int | None = None):
     if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
       raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
     context = decoder.context_len
@@ -132,9 +157,21 @@ class Engine:
     # anything is allocated when it does not fit the device.
     layout = decoder.layout
     self.capacity = memory.shape(decoder, max_len, max_len - 1, serving=True)[1]
-    memory.check(decoder, slots, max_len, max_len - 1, layout and layout.mesh,
-                 not (layout and layout.draft_replicated), serving=True,
-                 memory=machine.budget(layout and layout.mesh, memory_fraction))
+    budget = machine.budget(layout and layout.mesh, memory_fraction)
+    self.page_table: PageTable | None = None
+    if layout is None:
+      usable = memory.pool_pages(decoder, slots, max_len, pages, memory=budget)
+      self.page_table = PageTable(usable, slots, self.capacity // kvcache.PAGE_SIZE)
+    elif pages is not None:
+      raise ValueError("pages: a paged cache runs on one device (a mesh keeps whole rows)")
+    else:
+      memory.check(decoder, slots, max_len, max_len - 1, layout.mesh, not layout.draft_replicated, serving=True,
+                   memory=budget)
+    # Slots a row may write past its length in one segment: each round commits at most K + 1 tokens and
+    # writes up to a round's headroom past them.
+    self._reach = segment_rounds * (decoder.draft_len + 1) + decoder.headroom + 1
+    self.num_preemptions = 0
+    self._admissions = itertools.count()
     eos = tuple(decoder.target_config.stop_ids)
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
     self.compile_seconds = 0.0  # compiling (or loading) programs
@@ -143,7 +180,8 @@ class Engine:
     self.last_segment_seconds: float | None = None  # the last step's segment, with reading its tokens
     self._executables: dict = {}
     self._lock = threading.Lock()
-    self._waiting: collections.deque[tuple[Hashable, Request]] = collections.deque()
+    # (id, request, its _Running when it waits again after a preemption)
+    self._waiting: collections.deque[tuple[Hashable, Request, _Running | None]] = collections.deque()
     self._aborted: set[Hashable] = set()
     self._ids = itertools.count()
     self._running: list[_Running | None] = [None] * slots
@@ -167,6 +205,10 @@ class Engine:
     vocab = self.decoder.target_config.vocab_size
     if any(not 0 <= int(t) < vocab for t in req.stop_ids):
       raise ValueError(f"stop token ids must be in [0, {vocab})")
+    whole = pages_for(self._written(req, req.max_new_tokens))
+    if self.page_table is not None and whole > self.page_table.pages:
+      raise ValueError(f"the request needs {whole} KV pages of {kvcache.PAGE_SIZE} tokens (its prompt, its "
+                       f"max_tokens and a round's headroom); the pool holds {self.page_table.pages}")
     if not all(isinstance(s, str) for s in req.stop):
       raise ValueError("stop strings must be strings")
     self._tables(req)
@@ -184,7 +226,7 @@ class Engine:
     self.check(req)
     with self._lock:
       request_id = next(self._ids) if request_id is None else request_id
-      self._waiting.append((request_id, req))
+      self._waiting.append((request_id, req, None))
     return request_id
 
   def abort(self, request_id: Hashable) -> None:
@@ -222,7 +264,10 @@ class Engine:
       longest = request.prompt_bucket(self.max_len - 1)
       prompt_lens = sorted({min(request.prompt_bucket(n), self.max_len - 1) for n in range(1, longest + 1)})
     for n in prompt_lens:
-      self.add(Request([0] * n, 1, ignore_eos=True))
+      warm = Request([0] * n, 1, ignore_eos=True)
+      if self.page_table is not None and pages_for(self._written(warm, 1)) > self.page_table.pages:
+        continue  # a prompt the pool cannot hold: refused when it comes
+      self.add(warm)
       while self.has_work:
         self.step()
     for width in self.widths:
@@ -235,7 +280,7 @@ class Engine:
     since the last step."""
     with self._lock:
       aborted, self._aborted = self._aborted, set()
-      dropped = [i for i, _ in self._waiting if i in aborted]
+      dropped = [i for i, _, _ in self._waiting if i in aborted]
       self._waiting = collections.deque(w for w in self._waiting if w[0] not in aborted)
     deltas = [Delta(i, "", [], True, None, "abort") for i in dropped]
     for b, run in enumerate(self._running):
@@ -245,6 +290,7 @@ class Engine:
     self._admit()
     if self.num_running == 0:
       return deltas
+    self._grow()
     begin = time.perf_counter()
     compiled = self.compile_seconds
     busy = max(b for b, r in enumerate(self._running) if r is not None)
@@ -260,7 +306,7 @@ class Engine:
         continue
       start = len(run.request.prompt_ids) + run.sent
       new_ids = tokens[b, start:seq_lens[b]].tolist()
-      run.sent += len(new_ids)
+      run.emitted.extend(new_ids)
       text, stopped = run.text.push(new_ids, final=bool(done[b]))
       if stopped or done[b]:
         reason = "stop" if stopped or (new_ids and new_ids[-1] in run.stop_ids) else "length"
@@ -276,9 +322,44 @@ class Engine:
   def _finish(self, b: int, text: str, new_ids: list[int], reason: str) -> Delta:
     run = self._running[b]
     stats = None if self._device_stats is None else RequestStats.of_row(self._device_stats, b, run.sent)
+    self._vacate(b)
+    return Delta(run.id, text, new_ids, True, stats, reason)
+
+  def _vacate(self, b: int) -> None:
+    """Ends slot b's row at the next segment and frees its pages."""
     self._running[b] = None
     self._retire_B[b] = True
-    return Delta(run.id, text, new_ids, True, stats, reason)
+    if self.page_table is not None:
+      self.page_table.release(b)
+
+  def _written(self, req: Request, emitted: int = 0) -> int:
+    """Slots a request's row may write into by the end of the next segment, having emitted `emitted`."""
+    return min(len(req.prompt_ids) + emitted + self._reach,
+               len(req.prompt_ids) + req.max_new_tokens + self.decoder.headroom + 1, self.capacity)
+
+  def _grow(self) -> None:
+    """Gives every running row the pages it may write into in the next segment, oldest first, preempting
+    the youngest when the pool runs out; then the device reads the new page table."""
+    if self.page_table is None:
+      return
+    for _, b in sorted((r.admitted, b) for b, r in enumerate(self._running) if r is not None):
+      run = self._running[b]
+      while run is not None and not self.page_table.grow(b, self._written(run.request, run.sent)):
+        youngest = max((r.admitted, v) for v, r in enumerate(self._running) if r is not None)[1]
+        self._preempt(youngest)
+        run = self._running[b]
+    if self.page_table.changed:
+      self._state = kvcache.with_page_table(self._state, self.page_table.table)
+      self.page_table.changed = False
+
+  def _preempt(self, b: int) -> None:
+    """Frees slot b's pages; its request waits at the head of the queue to resume from its output so far."""
+    run = self._running[b]
+    self._vacate(b)
+    self.num_preemptions += 1
+    resumed = run.resumed()
+    with self._lock:
+      self._waiting.appendleft((run.id, resumed.request, resumed))
 
   def _admit(self) -> None:
     """Prefills waiting requests into free slots, first come first served."""
@@ -290,12 +371,19 @@ class Engine:
       if self._running[b] is not None or not self._waiting:
         continue
       with self._lock:
-        request_id, req = self._waiting.popleft()
-      self._fit_constraints(self._tables(req))
+        request_id, req, run = self._waiting[0]
+      if self.page_table is not None and not self.page_table.grow(b, self._written(req)):
+        break  # first come, first served: the head of the queue waits for pages
+      with self._lock:
+        self._waiting.popleft()
+      if run is None:
+        stops = frozenset(() if req.ignore_eos else self.eos) | {int(t) for t in req.stop_ids}
+        run = _Running(request_id, req, _Text(self.tokenizer, req.stop), stops, next(self._admissions),
+                       self._tables(req))
+      self._fit_constraints(run.tables)
       self._state = self._call("insert", programs.insert, self.decoder, self._state,
-                               self._requests([req]), np.int32(b))
-      stops = frozenset(() if req.ignore_eos else self.eos) | {int(t) for t in req.stop_ids}
-      self._running[b] = _Running(request_id, req, _Text(self.tokenizer, req.stop), stops)
+                               self._requests([req], [run.tables], b), np.int32(b))
+      self._running[b] = run
       self._retire_B[b] = False
 
   def _fit_constraints(self, tables: constraints.Tables | None = None) -> None:
@@ -311,9 +399,11 @@ class Engine:
           self._state.constraint, shape, self.slots, self.decoder.target_config.vocab_size))
     self._constraint_shape = shape
 
-  def _requests(self, reqs: list[Request]) -> request.Batch:
+  def _requests(self, reqs: list[Request], tables: list[constraints.Tables | None] | None = None,
+                slot: int | None = None) -> request.Batch:
+    """The batch of `reqs` (with `tables`, default none) for the rows from `slot` (default: idle rows)."""
     stop_ids = [list(() if r.ignore_eos else self.eos) + [int(t) for t in r.stop_ids] for r in reqs]
-    tables = [self._tables(r) for r in reqs]
+    tables = tables or [None] * len(reqs)
     requests = request.make_batch(
         self.decoder, [r.prompt_ids for r in reqs], max(r.max_new_tokens for r in reqs),
         sampling=[r.sampling for r in reqs], seed=[r.seed for r in reqs], stop_ids=stop_ids,
@@ -321,6 +411,10 @@ class Engine:
         constraints=tables if any(t is not None for t in tables) else None,
         constraint_shape=self._constraint_shape)
     requests = requests.replace(max_new_tokens_B=np.asarray([r.max_new_tokens for r in reqs], np.int32))
+    if self.page_table is not None:
+      table = self.page_table.table
+      rows = table[slot:slot + len(reqs)] if slot is not None else np.full((len(reqs), table.shape[1]), NULL_PAGE)
+      requests = requests.replace(page_table_BxR=rows.astype(np.int32), pages=self.page_table.pages + 1)
     layout = self.decoder.layout
     return requests if layout is None else sharding.place(requests, layout.mesh)
 

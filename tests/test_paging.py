@@ -1,13 +1,16 @@
-"""Paged KV caches (jspec/cache.py): decoding through page tables gives the tokens contiguous caches give,
-for every drafter, chains and trees, greedy and sampled, and the loop holds no copy of the pool."""
+"""Paged KV caches (jspec/cache.py, jspec/pages.py): decoding through page tables gives the tokens contiguous
+caches give, for every drafter, chains and trees, greedy and sampled, and the loop holds no copy of the pool;
+an engine short of pages preempts and resumes to the same tokens, constrained rows too, and leaks none."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jspec
+from jspec import automaton, programs, rows, testing
 from jspec import cache as kvcache
-from jspec import programs, rows, testing
 from jspec.decoder import make_decoder
 from jspec.request import make_batch
+from jspec.scheduler import Request
 from jspec.settings import SamplingConfig, SpecConfig, TreeConfig
 
 PROMPTS = [[3, 1, 4, 1, 5], list(range(2, 124)), [7] * 200]  # rows that start, cross and fill pages
@@ -27,17 +30,22 @@ def pair():
   return testing.random_pair()
 
 
-def _decoder(kind: str, pair):
+def _models(kind: str, pair):
+  """(draft, spec) of a kind of drafter: plain, model (a chain, adaptive or a tree), ngram, or heads."""
   target, draft = pair
-  spec = {"plain": None, "model": testing.fixed_k(4), "model-adaptive": SpecConfig(4),
-          "model-tree": SpecConfig(3, tree=TreeConfig(3, 8)), "ngram": testing.fixed_k(3, drafter="ngram")}
-  if kind in spec:
-    return make_decoder(target, None if kind in ("plain", "ngram") else draft, spec[kind], len(PROMPTS))
-  heads_kind, shape = kind.split("-") if "-" in kind else (kind, None)
-  heads = testing.random_draft(heads_kind, target)
-  spec = (SpecConfig(3, drafter=heads_kind, tree=TreeConfig(3, 8)) if shape == "tree"
-          else testing.fixed_k(3, drafter=heads_kind))
-  return make_decoder(target, heads, spec, len(PROMPTS))
+  fixed = {"plain": (None, None), "model": (draft, testing.fixed_k(4)), "model-adaptive": (draft, SpecConfig(4)),
+           "model-tree": (draft, SpecConfig(3, tree=TreeConfig(3, 8))),
+           "ngram": (None, testing.fixed_k(3, drafter="ngram"))}
+  if kind in fixed:
+    return fixed[kind]
+  heads_kind, _, shape = kind.partition("-")
+  return testing.random_draft(heads_kind, target), (
+      SpecConfig(3, drafter=heads_kind, tree=TreeConfig(3, 8)) if shape == "tree"
+      else testing.fixed_k(3, drafter=heads_kind))
+
+
+def _decoder(kind: str, pair):
+  return make_decoder(pair[0], *_models(kind, pair), len(PROMPTS))
 
 
 @pytest.mark.parametrize("kind", ["plain", "model", "model-adaptive", "model-tree", "ngram", "eagle", "eagle-tree",
@@ -72,3 +80,77 @@ def test_the_loop_holds_no_copy_of_the_pool(pair, kind):
   for config in [decoder.target_config] + ([decoder.drafter.config] if kind == "model" else []):
     pool = requests.pages * config.n_kv_heads * kvcache.PAGE_SIZE * config.head_dim
     assert testing.loop_cache_copies(text, pool) == []
+
+
+# The engine: rows that start in one page and grow to three, a pool of six.
+ENGINE_PROMPTS = {"a": [5] * 100, "b": list(range(30, 140)), "c": [9, 8, 7], "d": [11] * 60}
+ENGINE_NEW = {"a": 200, "b": 150, "c": 250, "d": 180}
+
+
+def _drain(engine) -> dict:
+  out = {}
+  while engine.has_work:
+    for d in engine.step():
+      out.setdefault(d.index, []).append(d)
+  return out
+
+
+@pytest.mark.parametrize("kind", ["plain", "model", "eagle", "ngram", "medusa-tree"])
+def test_an_engine_short_of_pages_preempts_and_resumes_to_the_tokens_of_generate(pair, kind):
+  target, _ = pair
+  draft, spec = _models(kind, pair)
+  engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=400, segment_rounds=2, pages=6)
+  for i, prompt in ENGINE_PROMPTS.items():
+    engine.add(Request(prompt, ENGINE_NEW[i]), i)
+  out = _drain(engine)
+  for i, prompt in ENGINE_PROMPTS.items():
+    want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=ENGINE_NEW[i]).token_ids[0]
+    assert [t for d in out[i] for t in d.token_ids] == want, i
+  assert engine.num_preemptions > 0
+  assert engine.page_table.num_free == engine.page_table.pages  # every page back
+
+
+def test_pages_never_leak_under_aborts_and_preemptions(pair):
+  """A bounded load: 30 requests on 4 slots sharing 6 pages, 10% aborted mid-flight (running or waiting);
+  at the end every page is free again."""
+  target, draft = pair
+  engine = jspec.make_engine(target, draft=draft, spec=testing.fixed_k(3), slots=4, max_len=400, segment_rounds=2,
+                             pages=6)
+  rng = np.random.default_rng(0)
+  for i in range(30):
+    engine.add(Request(rng.integers(0, 256, int(rng.integers(1, 150))).tolist(), int(rng.integers(1, 240))), i)
+  aborted, finished, steps = {3, 17, 25}, {}, 0
+  while engine.has_work:
+    steps += 1
+    assert steps < 3000
+    for d in engine.step():
+      if d.finished:
+        finished[d.index] = d.finish_reason
+    if steps == 4:
+      for i in aborted:
+        engine.abort(i)
+  assert {i for i, reason in finished.items() if reason == "abort"} == aborted and len(finished) == 30
+  assert engine.num_preemptions > 0
+  assert engine.page_table.num_free == engine.page_table.pages and not engine.page_table.table.any()
+
+
+def test_a_constrained_request_resumes_inside_its_constraint(monkeypatch):
+  """Preempted mid-output, a constrained row restarts from the automaton's state after what it emitted. A
+  request larger than the pool is refused before it waits."""
+  target, draft = testing.random_pair(testing.TINY)  # a constrained text ends at its EOS
+  regex = jspec.Regex("[a-z]{20,60}( [0-9]+)?")
+  engine = jspec.make_engine(target, draft=draft, spec=testing.fixed_k(3), slots=2, max_len=400, segment_rounds=2,
+                             pages=3)
+  with pytest.raises(ValueError, match="needs 4 KV pages of 128 tokens"):
+    engine.add(Request([1] * 10, 380))
+  advanced, resumed_after = automaton.advanced, []
+  monkeypatch.setattr(automaton, "advanced", lambda tables, ids: resumed_after.append(len(ids)) or advanced(
+      tables, ids))
+  engine.add(Request([5] * 100, 200, ignore_eos=True), "free")
+  engine.add(Request([7] * 100, 150, constraint=regex), "constrained")
+  out = _drain(engine)
+  assert engine.num_preemptions > 0 and max(resumed_after) > 0  # preempted with output emitted
+  alone = lambda prompt, n, **kw: jspec.generate(target, [prompt], draft=draft, spec=testing.fixed_k(3),
+                                                 max_new_tokens=n, **kw).token_ids[0]
+  assert [t for d in out["free"] for t in d.token_ids] == alone([5] * 100, 200, ignore_eos=True)
+  assert [t for d in out["constrained"] for t in d.token_ids] == alone([7] * 100, 150, constraint=regex)

@@ -296,7 +296,7 @@ def test_chat_completions_through_a_model_with_a_template(tmp_path):
   model = dataclasses.replace(model, chat_template=template)
   jspec.save(model, tmp_path / "chat")
   proc, url = start("--target", str(tmp_path / "chat"), "--drafter", "ngram", "--no-adaptive", "--batch-size", "1",
-                           "--max-model-len", "128", "--served-model-name", "tiny")
+                           "--max-model-len", "128", "--served-model-name", "tiny", "--max-total-tokens", "128")
   try:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
@@ -314,5 +314,9 @@ def test_chat_completions_through_a_model_with_a_template(tmp_path):
       out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
                                            response_format=fmt)
       assert isinstance(json.loads(out.choices[0].message.content), dict)
+    # A pool of one page: a request whose row needs two is refused in one line, and the pool is whole again.
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [1] * 10, "max_tokens": 118})
+    assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
+    assert metric(url, "jspec:kv_cache_free_pages") == 1 and metric(url, "jspec:kv_cache_usage_perc") == 0
   finally:
     stop(proc)

@@ -11,6 +11,7 @@ import signal
 
 import jspec
 from jspec import flags
+from jspec.pages import pages_for
 from jspec.scheduler import SEGMENT_ROUNDS
 
 EXAMPLES = """examples:
@@ -39,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
                  help="tokens (prompt and output) a request may hold (default: the model's context)")
   g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
                  help="share of the device's memory the server may use (vLLM's gpu_memory_utilization)")
+  g.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
+                 help="tokens the paged KV cache holds across all requests, in pages of 128 (default: as many as "
+                      "fit --memory-fraction, at most every slot's whole context)")
   g.add_argument("--no-calibrate", action="store_true",
                  help="start without measuring the pair's cost model when none is kept for it (python -m "
                       "jspec.calibrate); adaptive speculation then uses the checkpoint's or neutral figures")
@@ -54,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> None:
   if not 0 <= args.port < 65536:
     raise ValueError(f"--port must be in [0, 65536), got {args.port}")
-  for name in ("batch_size", "max_queue", "segment_rounds"):
+  for name in ("batch_size", "max_queue", "segment_rounds", "max_total_tokens"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if not 0 < args.memory_fraction <= 1:
@@ -97,7 +101,7 @@ def build(args: argparse.Namespace):
   target, models = flags.load_models(args, spec)
   make = lambda: jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
                                    segment_rounds=args.segment_rounds, memory_fraction=args.memory_fraction,
-                                   **models)
+                                   pages=args.max_total_tokens and pages_for(args.max_total_tokens), **models)
   engine = make()  # what cannot fit is refused before anything is measured or compiled
   if not args.no_calibrate and calibrate(target, models, engine.slots):
     engine = make()  # with the figures just measured

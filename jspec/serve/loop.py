@@ -108,8 +108,7 @@ class EngineLoop:
         self.metrics.prefill.observe(seconds)
       if engine.last_segment_seconds is not None:
         self.metrics.segment.observe(engine.last_segment_seconds)
-      self.metrics.running.set(engine.num_running)
-      self.metrics.waiting.set(engine.num_waiting)
+      self.metrics.observe_engine(engine)
       if engine.device_stats is not None:
         self.metrics.observe_segment(engine.device_stats, engine.running_B)
 

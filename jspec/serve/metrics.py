@@ -50,8 +50,23 @@ class Metrics:
                             "Mean over running requests of the acceptance rate's EWMA (the adaptive policy's).")
     self.draft_len = gauge("spec_decode_draft_len", "Mean tokens drafted per round in the last segment (0: plain).")
     self.enabled = gauge("spec_decode_enabled", "1 when the last segment speculated, 0 when it decoded plainly.")
+    self.kv_usage = gauge("kv_cache_usage_perc", "Share of the paged KV cache's pages in use (1: all).")
+    self.free_pages = gauge("kv_cache_free_pages", "Pages of the paged KV cache free.")
+    self.preemptions = counter("num_preemptions", "Requests preempted for want of KV pages (they resume later).")
     self.model_name = model_name
     self._last: DecodeStats | None = None
+    self._preempted = 0
+
+  def observe_engine(self, engine) -> None:
+    """The engine's queue and pages after a step (`jspec.scheduler.Engine`)."""
+    self.running.set(engine.num_running)
+    self.waiting.set(engine.num_waiting)
+    if engine.page_table is not None:
+      pages = engine.page_table
+      self.free_pages.set(pages.num_free)
+      self.kv_usage.set(1 - pages.num_free / pages.pages)
+      self.preemptions.inc(engine.num_preemptions - self._preempted)
+      self._preempted = engine.num_preemptions
 
   def observe_segment(self, stats: DecodeStats, running_B: np.ndarray) -> None:
     """The counters' growth since the last segment (`stats`: the engine's, on the host), and the policy's
