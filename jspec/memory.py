@@ -175,6 +175,7 @@ class Plan:
   memory_source: str
   max_batch: int
   max_context: int
+  pages: int | None = None  # serving: the paged KV cache's pages of `kvcache.PAGE_SIZE` tokens that fit (0: none)
 
   @property
   def fits(self) -> bool:
@@ -185,7 +186,12 @@ class Plan:
             "capacity": self.capacity, "devices": self.devices, **dataclasses.asdict(self.usage),
             "total_bytes": self.usage.total_bytes, "workspace_source": self.workspace_source,
             "device_memory_bytes": self.device_memory_bytes, "device_memory_source": self.memory_source,
-            "fits": self.fits, "max_batch": self.max_batch, "max_context": self.max_context}
+            "fits": self.fits, "max_batch": self.max_batch, "max_context": self.max_context,
+            **({} if self.pages is None else {"kv_pages": self.pages})}
+
+  def rows_at(self, tokens: int) -> int:
+    """Rows of `tokens` tokens a server's pages hold at once (at most its slots)."""
+    return min(self.batch, (self.pages or 0) // -(-tokens // kvcache.PAGE_SIZE))
 
   def refusal(self) -> str:
     u = self.usage
@@ -236,9 +242,15 @@ def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, me
   def need(rows: int, ctx: int) -> Usage:
     w, c = shape(decoder, ctx, min(prompt_len, max(ctx - 1, 1)), serving)
     return usage(decoder, rows, w, c, mesh, shard_draft, per_row, prefill_rows, platform)
+  pages = None
+  if serving:
+    try:
+      pages = pool_pages(decoder, batch, context, None, mesh, shard_draft, memory)
+    except ValueError:  # not even one page fits
+      pages = 0
   return Plan(batch, context, prompt_len, capacity, math.prod(axis_sizes(mesh).values()), need(batch, context),
               source, memory[0], memory[1], max_batch(need, context, memory[0], axis_sizes(mesh)["data"]),
-              max_context(need, batch, decoder.context_len, memory[0]))
+              max_context(need, batch, decoder.context_len, memory[0]), pages)
 
 
 def max_batch(need, context: int, memory: int, data: int) -> int:

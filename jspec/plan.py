@@ -12,6 +12,7 @@ import re
 import sys
 
 from jspec import flags
+from jspec.cache import PAGE_SIZE
 
 EXAMPLES = """examples:
   python -m jspec.plan --batch-size 8 --context 2048
@@ -48,8 +49,11 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--prompt-len", type=int, default=None, metavar="P",
                  help="prompt tokens per row, prefilled together (default: half the context)")
   g.add_argument("--serving", action="store_true",
-                 help="plan a server (python -m jspec.serve --max-model-len CONTEXT): any prompt up to the "
-                      "context, prefilled one request at a time")
+                 help="plan a server (python -m jspec.serve --max-model-len CONTEXT --batch-size B): any prompt up "
+                      "to the context, prefilled one request at a time, and the pages of its paged KV cache")
+  g.add_argument("--mean-len", type=int, default=None, metavar="N",
+                 help="with --serving: the mean tokens a request holds, for the rows the pages hold at once "
+                      "(default: half the context)")
   g.add_argument("--mesh", default=None, metavar="SPEC", help="data=D,model=M: the devices it is sharded over")
   g.add_argument("--replicate-draft", action="store_true", help="with --mesh: the drafter unsharded")
   g.add_argument("--device-memory", default=None, metavar="SIZE",
@@ -165,7 +169,15 @@ def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
            f"({p.memory_source}): {'fits' if p.fits else 'does NOT fit'}",
            f"  largest batch at {p.context:,} tokens: {p.max_batch}",
            f"  largest context at {rows(p.batch)}: {p.max_context:,} tokens"]
+  if p.pages is not None:
+    mean = mean_len(args, p)
+    lines.append(f"  paged KV cache: {p.pages:,} pages of {PAGE_SIZE} tokens, {rows(p.rows_at(mean))} of {mean:,} "
+                 f"tokens at once (of {p.batch} slots)")
   return "\n".join(lines)
+
+
+def mean_len(args: argparse.Namespace, p) -> int:
+  return args.mean_len or max(p.context // 2, 1)
 
 
 def describe_compiled(r, tau: float = 3.0) -> str:
@@ -212,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
   flags.show_status(not args.json)
   result, drafter, report = plan(args)
   if args.json:
-    print(json.dumps({**result.to_json(), **({"compiled": compiled_json(report)} if report else {})}))
+    rows = {} if result.pages is None else {"mean_len": mean_len(args, result),
+                                             "rows_at_mean_len": result.rows_at(mean_len(args, result))}
+    print(json.dumps({**result.to_json(), **rows, **({"compiled": compiled_json(report)} if report else {})}))
   else:
     print(describe(result, args, drafter) + ("\n" + describe_compiled(report) if report else ""))
   return 0

@@ -194,11 +194,16 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
 
 @pytest.mark.parametrize("draft", ["llama-3.2-1b", "llama-3-70b-eagle"])
 def test_the_documented_configs_plan(draft, capsys):
-  """docs/memory.md's deployment, as its command runs it, with each documented drafter."""
+  """docs/memory.md's deployment, as its command runs it, with each documented drafter; 64 slots of whole
+  contexts do not fit, and the paged cache's pages hold a row per slot at a mean of 2,048 tokens."""
   configs = pathlib.Path(__file__).parents[1] / "docs" / "plan"
-  assert plan.main(["--target", str(configs / "llama-3-70b.json"), "--draft", str(configs / f"{draft}.json"),
-                    "--mesh", "model=2", "--device-memory", "80GB", "--context", "8192", "--serving", "--json"]) == 0
+  args = ["--target", str(configs / "llama-3-70b.json"), "--draft", str(configs / f"{draft}.json"), "--mesh",
+          "model=2", "--device-memory", "80GB", "--context", "8192", "--serving", "--json"]
+  assert plan.main(args) == 0
   assert json.loads(capsys.readouterr().out)["fits"]
+  assert plan.main([*args, "--mesh", "model=4", "--batch-size", "64", "--mean-len", "2048"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert not out["fits"] and out["rows_at_mean_len"] == min(64, out["kv_pages"] // 16) == 64
 
 
 def test_the_plan_shapes_caches_as_generate_and_the_engine_do():
