@@ -122,12 +122,14 @@ def start(decoder: Decoder, requests: Batch, capacity: int | None = None,
   if decoder.layout is not None:
     state = decoder.layout.constrain_caches(state)
   prompts_BxP, lens_B = requests.prompts_BxP, requests.prompt_lens_B
-  hidden_BxPxD, target_cache = model.prefill(decoder.target_params, decoder.target_config, state.target_cache,
-                                             prompts_BxP, lens_B, decoder.feature_layers)
+  start_B = jnp.zeros_like(lens_B) if requests.cached_B is None else requests.cached_B
+  hidden_BxWxD, target_cache = model.prefill(decoder.target_params, decoder.target_config, state.target_cache,
+                                             prompts_BxP, lens_B, decoder.feature_layers, start_B,
+                                             requests.prefill_width)
   state = state.replace(target_cache=target_cache.rewind(lens_B - 1))  # the last prompt token is pending
   if decoder.drafter is not None:
     state = state.replace(drafter_state=decoder.drafter.prefill(decoder.weights, state.drafter_state, prompts_BxP,
-                                                                lens_B, hidden_BxPxD))
+                                                                lens_B, hidden_BxWxD, start_B))
   return state
 
 

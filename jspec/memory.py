@@ -243,7 +243,7 @@ def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, me
     w, c = shape(decoder, ctx, min(prompt_len, max(ctx - 1, 1)), serving)
     return usage(decoder, rows, w, c, mesh, shard_draft, per_row, prefill_rows, platform)
   pages = None
-  if serving:
+  if serving and batch >= 1:
     try:
       pages = pool_pages(decoder, batch, context, None, mesh, shard_draft, memory)
     except ValueError:  # not even one page fits

@@ -221,11 +221,15 @@ def forward_full(params: Params, tokens_BxS: jax.Array, config: ModelConfig,
 
 
 def prefill(params: Params, config: ModelConfig, cache: kvcache.KVCache, prompts_BxP: jax.Array,
-            prompt_lens_B: jax.Array, feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, kvcache.KVCache]:
-  """Runs right-padded prompts through the model from an empty cache, batched; the cache then holds each
-  row's `prompt_lens` tokens. Returns the features [B,P,D'] (head drafters read them) and the cache."""
-  batch, width = prompts_BxP.shape
-  positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-  _, hidden, cache = forward(params, prompts_BxP, positions, cache.rewind(jnp.zeros_like(cache.lengths)),
-                             config, feature_layers=feature_layers)
+            prompt_lens_B: jax.Array, feature_layers: tuple[int, ...] = (), start_B: jax.Array | None = None,
+            width: int | None = None) -> tuple[jax.Array, kvcache.KVCache]:
+  """Runs right-padded prompts through the model, batched; the cache then holds each row's `prompt_lens`
+  tokens. With `start_B`, the cache already holds each row's first `start` tokens (a cached prefix) and
+  only the `width` (static) from there run. Returns the features of the tokens run [B,W,D'] (head drafters
+  read them) and the cache."""
+  batch, prompt_width = prompts_BxP.shape
+  start_B = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B
+  positions = start_B[:, None] + jnp.arange(width or prompt_width)
+  tokens = jnp.take_along_axis(prompts_BxP, jnp.minimum(positions, prompt_width - 1), axis=1)
+  _, hidden, cache = forward(params, tokens, positions, cache.rewind(start_B), config, feature_layers=feature_layers)
   return hidden, cache.rewind(prompt_lens_B)

@@ -41,6 +41,10 @@ class Batch:
   # Paged caches (`jspec.cache`): each row's pages in a pool of `pages` (static); None: contiguous rows.
   page_table_BxR: jax.Array | None = None  # int32 [B, capacity / PAGE_SIZE]
   pages: int | None = flax.struct.field(pytree_node=False, default=None)
+  # A cached prefix: row b's pages already hold its first cached_B[b] tokens, and the prefill runs only
+  # `prefill_width` (static) tokens from there (paged caches only).
+  cached_B: jax.Array | None = None  # int32
+  prefill_width: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def prompt_bucket(length: int) -> int:

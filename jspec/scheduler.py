@@ -19,7 +19,9 @@ Off a mesh the caches are paged (`jspec.cache`, `jspec.pages`): a pool of pages 
 shared by the slots. A request is admitted when pages for its prompt and a segment's tokens are free; before
 each segment every running row is given the pages it may write into during it; when the pool runs out the
 youngest request is preempted (its pages freed, it waits at the head of the queue, and later resumes from
-its prompt and the tokens it has emitted, recomputed), as vLLM does.
+its prompt and the tokens it has emitted, recomputed), as vLLM does. With prefix caching, a request shares
+the cached pages of the longest prefix of its prompt that an earlier request left (`jspec.pages`) and
+prefills only the rest (less the pages a drafter's cache cannot share: `Drafter.unshared_prefix_pages`).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from jspec import automaton, constraints, machine, memory, programs, request, sh
 from jspec import cache as kvcache
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder
-from jspec.pages import NULL_PAGE, PageTable, pages_for
+from jspec.pages import NULL_PAGE, PageTable, page_hashes, pages_for
 from jspec.request import GREEDY
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats, Stats
@@ -129,8 +131,8 @@ class Engine:
 
   `slots` rows decode together; each holds up to `max_len` tokens (prompt and output; default the
   decoder's context). Off a mesh their caches are `pages` pages of a pool (default: as many as fit
-  `memory_fraction` of the device, at most every slot's whole context). A request that cannot fit (a row,
-  or the pool) is refused by `add` with a ValueError, before it waits.
+  `memory_fraction` of the device, at most every slot's whole context), with `prefix_caching`. A request
+  that cannot fit (a row, or the pool) is refused by `add` with a ValueError, before it waits.
   `narrow` runs segments at narrower widths when few rows are busy (one program per width); False keeps
   one width, for batch jobs, whose narrow stretch is only their tail.
   Slots that do not fit `memory_fraction` of the device (`jspec.memory`) are refused with a ValueError.
@@ -138,7 +140,7 @@ class Engine:
 
   def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
                segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True, memory_fraction: float = 1.0,
-               pages: int | None = None):
+               pages: int | None = None, prefix_caching: bool = True):
     if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
       raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
     context = decoder.context_len
@@ -171,6 +173,8 @@ class Engine:
     # writes up to a round's headroom past them.
     self._reach = segment_rounds * (decoder.draft_len + 1) + decoder.headroom + 1
     self.num_preemptions = 0
+    self.prefix_caching = prefix_caching and self.page_table is not None
+    self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found cached
     self._admissions = itertools.count()
     eos = tuple(decoder.target_config.stop_ids)
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
@@ -326,11 +330,17 @@ class Engine:
     return Delta(run.id, text, new_ids, True, stats, reason)
 
   def _vacate(self, b: int) -> None:
-    """Ends slot b's row at the next segment and frees its pages."""
+    """Ends slot b's row at the next segment and lets go of its pages, caching the full ones its text fills
+    (with prefix caching)."""
+    run = self._running[b]
     self._running[b] = None
     self._retire_B[b] = True
-    if self.page_table is not None:
-      self.page_table.release(b)
+    if self.page_table is None:
+      return
+    if self.prefix_caching:
+      self.page_table.register(b, self._final_pages([*run.request.prompt_ids, *run.emitted],
+                                                    self.decoder.headroom + 1))
+    self.page_table.release(b)
 
   def _written(self, req: Request, emitted: int = 0) -> int:
     """Slots a request's row may write into by the end of the next segment, having emitted `emitted`."""
@@ -372,7 +382,8 @@ class Engine:
         continue
       with self._lock:
         request_id, req, run = self._waiting[0]
-      if self.page_table is not None and not self.page_table.grow(b, self._written(req)):
+      cached = self._place(b, req)
+      if cached is None:
         break  # first come, first served: the head of the queue waits for pages
       with self._lock:
         self._waiting.popleft()
@@ -382,9 +393,35 @@ class Engine:
                        self._tables(req))
       self._fit_constraints(run.tables)
       self._state = self._call("insert", programs.insert, self.decoder, self._state,
-                               self._requests([req], [run.tables], b), np.int32(b))
+                               self._requests([req], [run.tables], b, cached), np.int32(b))
       self._running[b] = run
       self._retire_B[b] = False
+      if self.prefix_caching:
+        self.page_table.register(b, self._final_pages(req.prompt_ids))
+
+  def _final_pages(self, tokens: Sequence[int], margin: int = 2) -> list[bytes]:
+    """The hashes of the full pages of `tokens` whose entries are final in every cache: the target's holds
+    all but the last token, and a drafter's cache may trail it by `margin` (a prefill leaves a head
+    drafter's at len - 2)."""
+    return page_hashes(tokens[:max(len(tokens) - margin, 0)])
+
+  def _place(self, b: int, req: Request) -> int | None:
+    """Gives slot b the cached pages of `req`'s longest cached prefix and the pages it writes first; returns
+    the prefix's tokens, or None (nothing given) when the pool cannot hold it yet. Unpaged: 0."""
+    table = self.page_table
+    if table is None:
+      return 0
+    shared = table.match(self._final_pages(req.prompt_ids)) if self.prefix_caching else []
+    if self.decoder.drafter is not None:
+      shared = shared[:max(len(shared) - self.decoder.drafter.unshared_prefix_pages, 0)]
+    table.share(b, shared)
+    if not table.grow(b, self._written(req)):
+      table.release(b)
+      return None
+    if self.prefix_caching:
+      self.prefix_queries += len(req.prompt_ids)
+      self.prefix_hits += len(shared) * kvcache.PAGE_SIZE
+    return len(shared) * kvcache.PAGE_SIZE
 
   def _fit_constraints(self, tables: constraints.Tables | None = None) -> None:
     """Sizes the running batch's automata for a request about to start with `tables`: grown to a bucket
@@ -400,8 +437,9 @@ class Engine:
     self._constraint_shape = shape
 
   def _requests(self, reqs: list[Request], tables: list[constraints.Tables | None] | None = None,
-                slot: int | None = None) -> request.Batch:
-    """The batch of `reqs` (with `tables`, default none) for the rows from `slot` (default: idle rows)."""
+                slot: int | None = None, cached: int = 0) -> request.Batch:
+    """The batch of `reqs` (with `tables`, default none) for the rows from `slot` (default: idle rows), the
+    first `cached` tokens of one request's prompt in its pages already."""
     stop_ids = [list(() if r.ignore_eos else self.eos) + [int(t) for t in r.stop_ids] for r in reqs]
     tables = tables or [None] * len(reqs)
     requests = request.make_batch(
@@ -415,6 +453,9 @@ class Engine:
       table = self.page_table.table
       rows = table[slot:slot + len(reqs)] if slot is not None else np.full((len(reqs), table.shape[1]), NULL_PAGE)
       requests = requests.replace(page_table_BxR=rows.astype(np.int32), pages=self.page_table.pages + 1)
+    if cached:
+      requests = requests.replace(cached_B=np.full((1,), cached, np.int32),
+                                  prefill_width=request.prompt_bucket(len(reqs[0].prompt_ids) - cached))
     layout = self.decoder.layout
     return requests if layout is None else sharding.place(requests, layout.mesh)
 
@@ -422,8 +463,8 @@ class Engine:
     """`jitted`'s executable for these shapes. The engine keeps the executables it used: finding one in
     the engine's cache hashes every argument's shape and static field, which costs more than a segment's
     call."""
-    key = (name, args[2].prompts_BxP.shape if name == "insert" else None, self._constraint_shape,
-           tuple(static.items()))
+    key = (name, (args[2].prompts_BxP.shape, args[2].prefill_width) if name == "insert" else None,
+           self._constraint_shape, tuple(static.items()))
     if key not in self._executables:
       executable, seconds = programs.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
       self._executables[key] = executable

@@ -139,15 +139,18 @@ def test_what_cannot_fit_is_refused_before_anything_is_allocated():
   assert "\n" not in message
   rows = int(message.split("at most ")[1].split(" rows")[0])
   assert 0 < rows < 300
-  message = _refused(lambda: jspec.make_engine(m, slots=300, max_len=200_000))
-  assert "300 rows of 200,000 tokens" in message
-  # A fraction of the device, as a server reserves it; without slots, as many as fit that fraction.
+  # An engine's slots share a paged cache of the pages that fit (nothing allocated until a request comes);
+  # one that cannot hold a single page is refused. Without slots, as many whole contexts as fit.
+  per_row = jspec.make_engine(m, slots=1, max_len=200_000).capacity // kvcache.PAGE_SIZE
+  assert jspec.make_engine(m, slots=300, max_len=200_000).page_table.pages < 300 * per_row
   need = lambda rows: memory.make_plan(make_decoder(m, None, None, 1), rows, 200_000, 199_999,
                                        serving=True, memory=(budget, "")).usage.total_bytes
   fraction = (need(4) + need(5)) / 2 / budget
-  with pytest.raises(ValueError, match="of the memory available"):
-    jspec.make_engine(m, slots=5, max_len=200_000, memory_fraction=fraction)
+  assert 4 * per_row <= jspec.make_engine(m, slots=5, max_len=200_000, memory_fraction=fraction).page_table.pages \
+      < 5 * per_row
   assert jspec.make_engine(m, slots=None, max_len=200_000, memory_fraction=fraction).slots == 4
+  message = _refused(lambda: jspec.make_engine(m, slots=300, max_len=200_000, memory_fraction=need(0) / budget))
+  assert "KV pages of 128 tokens need" in message and "not even one page fits" in message
 
 
 def test_the_cli_and_the_server_refuse_with_exit_status_2(tmp_path, capsys):
@@ -161,8 +164,8 @@ def test_the_cli_and_the_server_refuse_with_exit_status_2(tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.startswith("error: 300 rows of") and err.count("\n") == 1
   assert serve_cli.main(["--target", str(tmp_path / "long"), "--no-draft", "--batch-size", "300",
-                         "--max-model-len", "200000", "--no-compile-cache"]) == 2
-  assert "error: 300 rows of 200,000 tokens" in capsys.readouterr().err
+                         "--max-model-len", "200000", "--no-compile-cache", "--max-total-tokens", "100000000"]) == 2
+  assert "error: 781250 KV pages of 128 tokens need" in capsys.readouterr().err
 
 
 def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):

@@ -166,3 +166,46 @@ def test_a_constrained_request_resumes_inside_its_constraint(monkeypatch):
                                                  max_new_tokens=n, **kw).token_ids[0]
   assert [t for d in out["free"] for t in d.token_ids] == alone([5] * 100, 200, ignore_eos=True)
   assert [t for d in out["constrained"] for t in d.token_ids] == alone([7] * 100, 150, constraint=regex)
+
+
+# Prefix caching: a system prompt of two full pages and part of a third, shared by later requests.
+SYSTEM = [(7 * i) % 200 + 3 for i in range(300)]
+
+
+@pytest.mark.parametrize("kind", ["plain", "model", "eagle", "medusa-tree", "ngram"])
+def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
+  """Later requests share the first request's full prompt pages (ending mid-page: the rest is prefilled) and
+  get the tokens `generate` gives them; a drafter's cache shares the pages too (EAGLE one less)."""
+  target, _ = pair
+  draft, spec = _models(kind, pair)
+  engine = jspec.make_engine(target, draft=draft, spec=spec, slots=2, max_len=512, segment_rounds=4)
+  prompts = {"first": SYSTEM + [1, 2], "again": SYSTEM + [9] * 40, "short": SYSTEM[:140]}
+  for i, prompt in prompts.items():
+    engine.add(Request(prompt, 24), i)
+    out = _drain(engine)
+    want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=24).token_ids[0]
+    assert [t for d in out[i] for t in d.token_ids] == want, i
+  shared_pages = 2 - (kind == "eagle")
+  assert engine.prefix_hits == shared_pages * 128 + (1 - (kind == "eagle")) * 128
+  assert engine.prefix_queries == sum(map(len, prompts.values()))
+  assert engine.page_table.num_free == engine.page_table.pages
+
+
+def test_the_two_token_law_holds_through_a_prefix_hit():
+  """Sampled rows whose prompt's first page is cached draw their first two tokens from the target's law."""
+  target = testing.random_model(testing.SMALL_VOCAB, seed=2)
+  draft = testing.perturbed(target, 0.5)
+  prompt = [int(t) for t in np.random.default_rng(3).integers(0, 16, 131)]
+  sp, n = (1.0, 0, 1.0), 1500
+  engine = jspec.make_engine(target, draft=draft, spec=testing.fixed_k(2), slots=16, max_len=256, segment_rounds=1)
+  engine.add(Request(prompt, 2), "first")
+  _drain(engine)
+  counts = np.zeros((16, 16))
+  for i in range(n):
+    engine.add(Request(prompt, 2, jspec.SamplingConfig(*sp), seed=i), i)
+  for deltas in _drain(engine).values():
+    a, b = [t for d in deltas for t in d.token_ids]
+    counts[a, b] += 1
+  assert engine.prefix_hits == n * 128
+  want = testing.exact_two_token_law(target, prompt, *sp)
+  assert 0.5 * np.abs(counts / n - want).sum() < testing.tv_bound(want, n)

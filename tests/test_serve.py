@@ -276,6 +276,8 @@ def test_load_100_requests_32_at_a_time_with_some_closed_mid_stream(server, targ
   wait_idle(url)
   assert threads() <= before + app.CHECK_THREADS
   assert metric(url, "jspec:spec_decode_num_drafts_total") > 0
+  # Every page back (prompts this short fill none, so none is cached), every prompt looked up.
+  assert metric(url, "jspec:kv_cache_usage_perc") == 0 and metric(url, "jspec:prefix_cache_queries_total") > 0
 
 
 def test_sigterm_exits_0_within_the_timeout(server):

@@ -88,6 +88,9 @@ class Drafter:
   feature_layers: tuple[int, ...] = ()
   lags_plain_steps: ClassVar[bool] = False  # a plain target step leaves its state behind the text (see max_lag)
   is_draft_model: ClassVar[bool] = False  # its weights are a whole `Model` (a draft model), not heads on the target
+  # The last pages of a cached prefix its cache cannot share (`jspec.pages`): EAGLE's entry at a page's end
+  # reads the next page's first token, which another request's text may not have.
+  unshared_prefix_pages: ClassVar[int] = 0
   learning_rate: ClassVar[float | None] = None  # peak rate `python -m jspec.train drafter` uses (None: not offered)
   config: ModelConfig | None  # the shape its weights and cache follow; None: no weights
 
@@ -169,8 +172,9 @@ class Drafter:
     return None
 
   def prefill(self, weights: DraftWeights, state: DrafterState, prompts_BxP: jax.Array, prompt_lens_B: jax.Array,
-              hidden_BxPxD: jax.Array) -> DrafterState:
-    """Reads the prompts; `hidden` is the target's prefill output (final-normed features)."""
+              hidden_BxWxD: jax.Array, start_B: jax.Array) -> DrafterState:
+    """Reads the prompts; `hidden` is the target's prefill output (final-normed features) for the W tokens
+    from `start` (what precedes it is a cached prefix, whose pages the drafter's paged cache shares)."""
     return state
 
   def propose(self, weights: DraftWeights, state: DrafterState, context: DraftContext,
@@ -241,13 +245,14 @@ class Features:
     return cls(jnp.zeros((batch, width, dim), dtype), jnp.zeros((batch,), jnp.int32))
 
   @classmethod
-  def from_prefill(cls, hidden_BxPxD: jax.Array, prompt_lens_B: jax.Array, width: int) -> Features:
+  def from_prefill(cls, hidden_BxWxD: jax.Array, prompt_lens_B: jax.Array, width: int,
+                   start_B: jax.Array) -> Features:
     """Keeps the feature at position len-2 (clamped to 0 for one-token prompts, whose draft is then
-    uninformed but still verified)."""
-    start = jnp.maximum(prompt_lens_B - 2, 0).astype(jnp.int32)
-    last = jnp.take_along_axis(hidden_BxPxD, start[:, None, None], axis=1)
-    feats = jnp.zeros((hidden_BxPxD.shape[0], width, hidden_BxPxD.shape[2]), hidden_BxPxD.dtype)
-    return cls(feats.at[:, :1].set(last), start)
+    uninformed but still verified), of features from position `start` (at most len-2)."""
+    kept = jnp.maximum(prompt_lens_B - 2, 0).astype(jnp.int32)
+    last = jnp.take_along_axis(hidden_BxWxD, jnp.maximum(kept - start_B, 0)[:, None, None], axis=1)
+    feats = jnp.zeros((hidden_BxWxD.shape[0], width, hidden_BxWxD.shape[2]), hidden_BxWxD.dtype)
+    return cls(feats.at[:, :1].set(last), kept)
 
   def update(self, hidden_BxSxD: jax.Array, n_B: jax.Array) -> Features:
     """Stores a target forward's features (S <= width) starting at position n-1."""

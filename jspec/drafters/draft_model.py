@@ -101,10 +101,11 @@ class ModelDrafter(Drafter):
   def init(self, batch: int, capacity: int, draft_len: int) -> kvcache.KVCache:
     return kvcache.init_cache(self.config, batch, capacity)
 
-  def prefill(self, weights: DraftWeights, cache, prompts_BxP, prompt_lens_B, hidden_BxPxD):
-    # Like the target's, the cache holds all but the last prompt token, which the first round feeds.
-    return model.prefill(weights.drafter, self.config, cache, prompts_BxP,
-                         prompt_lens_B)[1].rewind(prompt_lens_B - 1)
+  def prefill(self, weights: DraftWeights, cache, prompts_BxP, prompt_lens_B, hidden_BxWxD, start_B):
+    # Like the target's, the cache holds all but the last prompt token, which the first round feeds; a cached
+    # prefix's pages hold its first tokens already.
+    return model.prefill(weights.drafter, self.config, cache, prompts_BxP, prompt_lens_B, (), start_B,
+                         hidden_BxWxD.shape[1])[1].rewind(prompt_lens_B - 1)
 
   def _catch_up(self, params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
                 n_B: jax.Array) -> tuple[jax.Array, kvcache.KVCache]:
@@ -230,8 +231,9 @@ class CrossVocabDrafter(ModelDrafter):
         tables["spelling"][target_BxJ], mode="drop")
     return spelled_BxW, lens_BxJ.sum(1)
 
-  def prefill(self, weights: DraftWeights, state: SpelledCache, prompts_BxP, prompt_lens_B, hidden_BxPxD):
-    # The cache holds the spellings of all but the last prompt token, which the first round feeds.
+  def prefill(self, weights: DraftWeights, state: SpelledCache, prompts_BxP, prompt_lens_B, hidden_BxWxD, start_B):
+    # The cache holds the spellings of all but the last prompt token, which the first round feeds: its own
+    # positions, in a cache of its own, whatever prefix the target's holds.
     params = weights.drafter
     covered = (prompt_lens_B - 1).astype(jnp.int32)
     spelled, count = self._spell(params["vocab_map"], prompts_BxP, jnp.zeros_like(covered), covered,

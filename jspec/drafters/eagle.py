@@ -107,6 +107,7 @@ class EagleDrafter(Drafter):
   kind = "eagle"
   learning_rate = 2e-3
   supports_tree = True
+  unshared_prefix_pages = 1
 
   @classmethod
   def for_pair(cls, target, draft, spec: SpecConfig) -> EagleDrafter:
@@ -279,14 +280,16 @@ class EagleDrafter(Drafter):
     return EagleState(kvcache.init_cache(self.config, batch, capacity),
                       Features.zeros(batch, draft_len + 1, self.feature_width, self.config.jnp_dtype))
 
-  def prefill(self, weights: DraftWeights, state: EagleState, prompts_BxP, prompt_lens_B, hidden_BxPxD):
+  def prefill(self, weights: DraftWeights, state: EagleState, prompts_BxP, prompt_lens_B, hidden_BxWxD, start_B):
+    # Entry t reads feature t and token t + 1: a cached prefix's entries hold, the rest run from `start`.
     params, target_params = weights.drafter, weights.target
-    batch, width = prompts_BxP.shape
-    next_BxP = jnp.concatenate([prompts_BxP[:, 1:], jnp.zeros((batch, 1), prompts_BxP.dtype)], 1)
-    positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    _, cache = self.step(params, target_params, state.cache.rewind(jnp.zeros((batch,), jnp.int32)),
-                         self._fused(params, hidden_BxPxD), next_BxP, positions)
-    features = Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.features.feats_BxCxD.shape[1])
+    prompt_width, width = prompts_BxP.shape[1], hidden_BxWxD.shape[1]
+    positions = start_B[:, None] + jnp.arange(width)
+    next_BxW = jnp.where(positions + 1 < prompt_width, jnp.take_along_axis(
+        prompts_BxP, jnp.minimum(positions + 1, prompt_width - 1), axis=1), 0)
+    _, cache = self.step(params, target_params, state.cache.rewind(start_B), self._fused(params, hidden_BxWxD),
+                         next_BxW, positions)
+    features = Features.from_prefill(hidden_BxWxD, prompt_lens_B, state.features.feats_BxCxD.shape[1], start_B)
     return EagleState(cache.rewind(features.start_B), features)
 
   def _catch_up(self, params, target_params, state: EagleState, tokens_BxT, n_B):

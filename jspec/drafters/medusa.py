@@ -110,8 +110,8 @@ class MedusaDrafter(Drafter):
   def init(self, batch: int, capacity: int, draft_len: int) -> Features:
     return Features.zeros(batch, draft_len + 1, self.config.dim, self.config.jnp_dtype)
 
-  def prefill(self, weights: DraftWeights, state: Features, prompts_BxP, prompt_lens_B, hidden_BxPxD):
-    return Features.from_prefill(hidden_BxPxD, prompt_lens_B, state.feats_BxCxD.shape[1])
+  def prefill(self, weights: DraftWeights, state: Features, prompts_BxP, prompt_lens_B, hidden_BxWxD, start_B):
+    return Features.from_prefill(hidden_BxWxD, prompt_lens_B, state.feats_BxCxD.shape[1], start_B)
 
   def _head_logits(self, weights: DraftWeights, state: Features, seq_lens_B: jax.Array, heads: int) -> jax.Array:
     """The first `heads` heads' logits at the row's last feature, [B, heads, V]."""

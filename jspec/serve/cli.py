@@ -43,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
                  help="tokens the paged KV cache holds across all requests, in pages of 128 (default: as many as "
                       "fit --memory-fraction, at most every slot's whole context)")
+  g.add_argument("--no-prefix-caching", action="store_true",
+                 help="prefill every prompt whole (default: a prompt shares the cached pages of its longest prefix "
+                      "an earlier request left, and prefills the rest)")
   g.add_argument("--no-calibrate", action="store_true",
                  help="start without measuring the pair's cost model when none is kept for it (python -m "
                       "jspec.calibrate); adaptive speculation then uses the checkpoint's or neutral figures")
@@ -101,7 +104,8 @@ def build(args: argparse.Namespace):
   target, models = flags.load_models(args, spec)
   make = lambda: jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
                                    segment_rounds=args.segment_rounds, memory_fraction=args.memory_fraction,
-                                   pages=args.max_total_tokens and pages_for(args.max_total_tokens), **models)
+                                   pages=args.max_total_tokens and pages_for(args.max_total_tokens),
+                                   prefix_caching=not args.no_prefix_caching, **models)
   engine = make()  # what cannot fit is refused before anything is measured or compiled
   if not args.no_calibrate and calibrate(target, models, engine.slots):
     engine = make()  # with the figures just measured

@@ -53,9 +53,11 @@ class Metrics:
     self.kv_usage = gauge("kv_cache_usage_perc", "Share of the paged KV cache's pages in use (1: all).")
     self.free_pages = gauge("kv_cache_free_pages", "Pages of the paged KV cache free.")
     self.preemptions = counter("num_preemptions", "Requests preempted for want of KV pages (they resume later).")
+    self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+    self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
     self.model_name = model_name
     self._last: DecodeStats | None = None
-    self._preempted = 0
+    self._counted = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
 
   def observe_engine(self, engine) -> None:
     """The engine's queue and pages after a step (`jspec.scheduler.Engine`)."""
@@ -65,8 +67,10 @@ class Metrics:
       pages = engine.page_table
       self.free_pages.set(pages.num_free)
       self.kv_usage.set(1 - pages.num_free / pages.pages)
-      self.preemptions.inc(engine.num_preemptions - self._preempted)
-      self._preempted = engine.num_preemptions
+      for name, counter in [("num_preemptions", self.preemptions), ("prefix_queries", self.prefix_queries),
+                            ("prefix_hits", self.prefix_hits)]:
+        counter.inc(getattr(engine, name) - self._counted[name])
+        self._counted[name] = getattr(engine, name)
 
   def observe_segment(self, stats: DecodeStats, running_B: np.ndarray) -> None:
     """The counters' growth since the last segment (`stats`: the engine's, on the host), and the policy's
