@@ -93,13 +93,11 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
     rows, capacity, _ = k_XxTxDh.shape
     block_of = lambda buf, i: lax.dynamic_slice_in_dim(buf, i * block, block, axis=1)
   else:
-    if kernel is not None:
-      raise ValueError("the attention kernels read contiguous caches, not pages")
     rows, capacity = batch * k_XxTxDh.shape[1], page_table_BxR.shape[1] * BLOCK_SIZE
     block_of = lambda buf, i: buf[page_table_BxR[:, i]].reshape(rows, BLOCK_SIZE, head_dim)
   rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, scale, k_XxTxDh.dtype, tree_BxSxA)
   if kernel is not None:
-    out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap)
+    out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap, page_table_BxR)
     return from_rows(out, batch, seq, heads_major, q_BxSxHxDh.dtype)
   block = min(BLOCK_SIZE, capacity)
   q_XxQSxDh, qpos_XxQS, tree_XxQSxA = rows_.q_XxQSxDh, rows_.qpos_XxQS, rows_.tree_XxQSxA

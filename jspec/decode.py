@@ -92,13 +92,12 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None,
   # with the kernel of the platform the program is for (a mesh's devices may be another machine's).
   final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
   # With a page table, every cache of the batch's capacity is a pool of pages read through it (a drafter's
-  # cache of another length, as a cross-tokenizer draft's, stays contiguous); the kernels read contiguous
-  # caches only, so a pool is read by the XLA loop.
+  # cache of another length, as a cross-tokenizer draft's, stays contiguous).
   platform = pallas_attention.platform_of(decoder.layout and decoder.layout.mesh)
   kernel = lambda c: pallas_attention.select_kernel(decoder.attention, platform, c.k[0].shape[-1])
   pages, table_BxR = requests.pages, requests.page_table_BxR
-  pool = lambda c: (kvcache.paged(c, table_BxR, pages).replace(kernel=None)
-                    if table_BxR is not None and c.capacity == capacity else c.replace(kernel=kernel(c)))
+  pool = lambda c: (kvcache.paged(c, table_BxR, pages) if table_BxR is not None and c.capacity == capacity
+                    else c).replace(kernel=kernel(c))
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
   with_len = lambda x: pool(x).replace(rope_len=final_len_B) if is_cache(x) else x
   state = state.replace(target_cache=with_len(state.target_cache),

@@ -73,14 +73,16 @@ def select_kernel(attention: str, platform: str, head_dim: int | None = None) ->
 
 
 def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, window: int,
-           softcap: float | None) -> jax.Array:
+           softcap: float | None, page_table_BxR: jax.Array | None = None) -> jax.Array:
   """Attention of `rows`' queries over the cache: [X, QS, Dh] in the cache's dtype (the reference's fp32
-  result, rounded)."""
-  head_dim = k_XxTxDh.shape[2]
+  result, rounded). With `page_table_BxR`, the caches are pools of pages (`jspec.cache`)."""
+  head_dim = k_XxTxDh.shape[-1]
   if kernel.backend == "gpu" and head_dim & (head_dim - 1):
     raise ValueError(f"the GPU attention kernel needs a power-of-two head dim, not {head_dim}: use --attention xla")
   call = functools.partial(_tpu if kernel.backend == "tpu" else _gpu, window=window, softcap=softcap,
                            seq=rows.seq, interpret=kernel.interpret)
+  if page_table_BxR is not None:
+    call = functools.partial(call, table=page_table_BxR)
   args = (rows.q_XxQSxDh, k_XxTxDh, v_XxTxDh, rows.qpos_XxQS, rows.start_X) + (
       () if rows.tree_XxQSxA is None else (rows.tree_XxQSxA,))
   if kernel.mesh is not None:
@@ -89,13 +91,13 @@ def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   return call(*args)
 
 
-def _cost(q: jax.Array, k: jax.Array) -> pl.CostEstimate:
-  """What XLA's cost analysis counts for a kernel: every query over the whole cache (a full context; the
-  kernel reads only the blocks in use)."""
-  rows, capacity, head_dim = k.shape
-  logits = rows * q.shape[1] * capacity
+def _cost(q: jax.Array, capacity: int, cache_bytes: int) -> pl.CostEstimate:
+  """What XLA's cost analysis counts for a kernel: every query over a row's whole capacity (a full context;
+  the kernel reads only the blocks in use), and the caches (or pools) read once."""
+  rows, queries, head_dim = q.shape
+  logits = rows * queries * capacity
   return pl.CostEstimate(flops=4 * logits * head_dim, transcendentals=logits,
-                         bytes_accessed=2 * k.nbytes + 2 * q.nbytes)
+                         bytes_accessed=2 * cache_bytes + 2 * q.nbytes)
 
 
 def _padded(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax.Array:
@@ -160,12 +162,18 @@ def _update(q, k, v, qpos, kpos, base, tree, window: int, softcap: float | None,
   return new_max, sum_ * rescale + p.sum(-1, keepdims=True), acc * rescale + _dot(p.astype(v.dtype), v, contract - 1)
 
 
-def _tpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
+def _tpu(q, k, v, qpos, start, tree=None, table=None, *, window, softcap, seq, interpret):
+  """Contiguous caches [X, T, Dh], or (with the page table `table` [B, R]) pools [pages, J, BLOCK_SIZE, Dh],
+  whose grid steps take one batch row's J kv heads and fetch each block from its page."""
   from jax.experimental.pallas import tpu as pltpu
-  rows, capacity, head_dim = k.shape
+  rows, head_dim = q.shape[0], k.shape[-1]
+  capacity = k.shape[1] if table is None else table.shape[1] * BLOCK_SIZE
   block, asked = min(BLOCK_SIZE, capacity), q.shape[1]
-  tiles, tile = _tiles(asked, QUERY_ROWS_PER_STEP, lambda n: -(-n // 8) * 8)  # sublane multiples
-  group = max(g for g in range(1, min(ROWS_PER_STEP, QUERY_ROWS_PER_STEP // tile) + 1) if rows % g == 0)
+  kv_heads = None if table is None else k.shape[1]
+  most = QUERY_ROWS_PER_STEP if table is None else max(QUERY_ROWS_PER_STEP // kv_heads, 8)
+  tiles, tile = _tiles(asked, most, lambda n: -(-n // 8) * 8)  # sublane multiples
+  group = kv_heads or max(g for g in range(1, min(ROWS_PER_STEP, QUERY_ROWS_PER_STEP // tile) + 1)
+                          if rows % g == 0)
   q, qpos = _padded(q, 1, tiles * tile), _padded(qpos, 1, tiles * tile, "edge")
   end = start + (seq if tree is None else tree.shape[2])
   first_blk, end_blk = _tile_ranges(qpos, end, tree is not None, window, block, group, tile)
@@ -175,10 +183,19 @@ def _tpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
     tree_args = (_padded(_padded(tree, 1, tiles * tile), 2, entries).astype(jnp.float32),)
     tree_specs = [pl.BlockSpec((group, tile, entries), lambda g, t, i, *_: (g, t, 0))]
   per_tile = lambda g, t, i, *_: (g, t, 0)
-  kv_block = lambda g, t, i, first_ref, end_ref: (g, jnp.clip(i, first_ref[g, t], end_ref[g, t] - 1), 0)
+  visible_block = lambda g, t, i, first_ref, end_ref, *_: jnp.clip(i, first_ref[g, t], end_ref[g, t] - 1)
+  if table is None:
+    kv_spec = pl.BlockSpec((group, block, head_dim), lambda g, t, i, *refs: (g, visible_block(g, t, i, *refs), 0))
+  else:  # the page of batch row g's visible block, its J heads
+    kv_spec = pl.BlockSpec((None, group, block, head_dim),
+                           lambda g, t, i, *refs: (refs[2][g, visible_block(g, t, i, *refs)], 0, 0, 0))
+  prefetch = (first_blk, end_blk) + (() if table is None else (table,))
   nblocks = capacity // block
 
-  def kernel(first_ref, end_ref, q_ref, k_ref, v_ref, start_ref, *refs):
+  def kernel(first_ref, end_ref, *refs):
+    if table is not None:
+      refs = refs[1:]  # the page table: read by the index maps only
+    q_ref, k_ref, v_ref, start_ref, *refs = refs
     *tree_ref, o_ref, max_ref, sum_ref, acc_ref = refs
     g, t, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
@@ -205,18 +222,16 @@ def _tpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(rows // group, tiles, nblocks),
-          in_specs=[pl.BlockSpec((group, tile, head_dim), per_tile),
-                    pl.BlockSpec((group, block, head_dim), kv_block),
-                    pl.BlockSpec((group, block, head_dim), kv_block),
+          num_scalar_prefetch=len(prefetch), grid=(rows // group, tiles, nblocks),
+          in_specs=[pl.BlockSpec((group, tile, head_dim), per_tile), kv_spec, kv_spec,
                     pl.BlockSpec((group, 1, 1), lambda g, t, i, *_: (g, 0, 0)), *tree_specs],
           out_specs=pl.BlockSpec((group, tile, head_dim), per_tile),
           scratch_shapes=[pltpu.VMEM((group, tile, 1), jnp.float32), pltpu.VMEM((group, tile, 1), jnp.float32),
                           pltpu.VMEM((group, tile, head_dim), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct((rows, tiles * tile, head_dim), q.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=interpret, cost_estimate=_cost(q, k),
-  )(first_blk, end_blk, q, k, v, start[:, None, None], *tree_args)
+      interpret=interpret, cost_estimate=_cost(q, capacity, k.nbytes),
+  )(*prefetch, q, k, v, start[:, None, None], *tree_args)
   return out[:, :asked]
 
 
@@ -224,9 +239,12 @@ def _pow2(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())  # Triton's smallest matmul tile is 16
 
 
-def _gpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
+def _gpu(q, k, v, qpos, start, tree=None, table=None, *, window, softcap, seq, interpret):
+  """Contiguous caches [X, T, Dh], or (with the page table `table` [B, R]) pools [pages, J, BLOCK_SIZE, Dh]:
+  a program reads its kv head of each visible block's page."""
   from jax.experimental.pallas import triton as plgpu
-  rows, capacity, head_dim = k.shape
+  rows, head_dim = q.shape[0], k.shape[-1]
+  capacity = k.shape[1] if table is None else table.shape[1] * BLOCK_SIZE
   block, asked = min(BLOCK_SIZE, capacity), q.shape[1]
   tiles, tile = _tiles(asked, GPU_QUERY_TILE, _pow2)
   q, qpos = _padded(q, 1, tiles * tile), _padded(qpos, 1, tiles * tile, "edge")
@@ -240,16 +258,25 @@ def _gpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
     tree_args = (_padded(_padded(tree, 1, tiles * tile), 2, _pow2(tree.shape[2])).astype(jnp.int32),)
     tree_specs = [pl.BlockSpec((None, tile, tree_args[0].shape[2]), lambda x, t: (x, t, 0))]
 
+  whole_row = lambda x, t: (x, 0, 0)
+  if table is None:
+    kv_spec, table_args, table_specs = pl.BlockSpec((None, capacity, head_dim), whole_row), (), []
+  else:  # every page of the program's kv head, and its batch row's page table
+    kv_heads = k.shape[1]
+    kv_spec = pl.BlockSpec((k.shape[0], None, block, head_dim), lambda x, t: (0, x % kv_heads, 0, 0))
+    table_args, table_specs = (table,), [pl.BlockSpec((None, table.shape[1]), lambda x, t: (x // kv_heads, 0))]
+
   def kernel(q_ref, k_ref, v_ref, meta_ref, *refs):
+    table_ref, refs = (refs[0], refs[1:]) if table is not None else (None, refs)
     *tree_ref, o_ref = refs
     qs, start_ = q_ref[...], meta_ref[2]
     tree_ = tree_ref[0][...] if tree_ref else None
     qpos_ = _positions(start_, tree_, pl.program_id(1) * tile, (tile, 1), seq)
 
     def body(i, carry):
-      span = pl.ds(i * block, block)
+      at = (pl.ds(i * block, block), slice(None)) if table_ref is None else (table_ref[i], slice(None), slice(None))
       kpos = i * block + lax.broadcasted_iota(jnp.int32, (1, block), 1)
-      return _update(qs, k_ref[span, :], v_ref[span, :], qpos_, kpos, start_, tree_, window, softcap, carry)
+      return _update(qs, k_ref[at], v_ref[at], qpos_, kpos, start_, tree_, window, softcap, carry)
 
     init = (jnp.full((tile, 1), MASKED, jnp.float32), jnp.zeros((tile, 1), jnp.float32),
             jnp.zeros((tile, head_dim), jnp.float32))
@@ -257,15 +284,13 @@ def _gpu(q, k, v, qpos, start, tree=None, *, window, softcap, seq, interpret):
     o_ref[...] = (acc / sum_).astype(o_ref.dtype)
 
   per_tile = lambda x, t: (x, t, 0)
-  whole_row = lambda x, t: (x, 0, 0)
   out = pl.pallas_call(
       kernel, grid=(rows, tiles),
-      in_specs=[pl.BlockSpec((None, tile, head_dim), per_tile), pl.BlockSpec((None, capacity, head_dim), whole_row),
-                pl.BlockSpec((None, capacity, head_dim), whole_row), pl.BlockSpec((None, None, 8), per_tile),
-                *tree_specs],
+      in_specs=[pl.BlockSpec((None, tile, head_dim), per_tile), kv_spec, kv_spec,
+                pl.BlockSpec((None, None, 8), per_tile), *table_specs, *tree_specs],
       out_specs=pl.BlockSpec((None, tile, head_dim), per_tile),
       out_shape=jax.ShapeDtypeStruct((rows, tiles * tile, head_dim), q.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret, cost_estimate=_cost(q, k),
-  )(q, k, v, meta, *tree_args)
+      interpret=interpret, cost_estimate=_cost(q, capacity, k.nbytes),
+  )(q, k, v, meta, *table_args, *tree_args)
   return out[:, :asked]

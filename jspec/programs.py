@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec import decode, executables
 from jspec.decoder import Decoder
 from jspec.request import Batch
-from jspec.rows import insert, run_rows
+from jspec.rows import insert, prefill_pages, run_rows
 from jspec.stats import DecodeStats
 
 log = logging.getLogger("jspec")
@@ -56,6 +56,7 @@ def lower(decoder: Decoder, requests: Batch) -> Any:
 start = jax.jit(decode.start, static_argnames="capacity")
 resume_rows = jax.jit(run_rows, static_argnames="width", donate_argnames="state")
 insert = jax.jit(insert, donate_argnames="state")
+prefill_pages = jax.jit(prefill_pages, donate_argnames="state")
 
 # Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.
 MAX_EXECUTABLES = 32

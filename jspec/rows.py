@@ -62,6 +62,13 @@ def insert(decoder: Decoder, state: DecodeState, requests: Batch, slot: jax.Arra
   return kvcache.take_pools(inserted, fresh) if paged else inserted
 
 
+def prefill_pages(decoder: Decoder, state: DecodeState, requests: Batch) -> DecodeState:
+  """Prefills a chunk of `requests`' prompts (`prefill_width` tokens from `cached_B`) into a running state's
+  paged caches through their page tables; nothing else of the state changes (the rows start later, by
+  `insert`, from where the chunks left off)."""
+  return kvcache.take_pools(state, start(decoder, requests, state.tokens_BxT.shape[1], state))
+
+
 def _row_blocks(decoder: Decoder, requests: Batch, capacity: int) -> list[tuple[int, int] | None]:
   """For each leaf of a `DecodeState`: (axis, rows of it per batch row), or None for a batch-wide leaf,
   found by comparing the state's shapes for batches of one and two rows."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from collections.abc import Hashable, Iterator, Sequence
@@ -131,8 +132,10 @@ class Engine:
 
   `slots` rows decode together; each holds up to `max_len` tokens (prompt and output; default the
   decoder's context). Off a mesh their caches are `pages` pages of a pool (default: as many as fit
-  `memory_fraction` of the device, at most every slot's whole context), with `prefix_caching`. A request
-  that cannot fit (a row, or the pool) is refused by `add` with a ValueError, before it waits.
+  `memory_fraction` of the device, at most every slot's whole context), with `prefix_caching`, and a step
+  prefills at most `max_prefill_tokens` prompt tokens (a longer prompt goes in chunks over several steps,
+  between segments; None: whole prompts). A request that cannot fit (a row, or the pool) is refused by
+  `add` with a ValueError, before it waits.
   `narrow` runs segments at narrower widths when few rows are busy (one program per width); False keeps
   one width, for batch jobs, whose narrow stretch is only their tail.
   Slots that do not fit `memory_fraction` of the device (`jspec.memory`) are refused with a ValueError.
@@ -140,7 +143,7 @@ class Engine:
 
   def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
                segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True, memory_fraction: float = 1.0,
-               pages: int | None = None, prefix_caching: bool = True):
+               pages: int | None = None, prefix_caching: bool = True, max_prefill_tokens: int | None = None):
     if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
       raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
     context = decoder.context_len
@@ -175,6 +178,10 @@ class Engine:
     self.num_preemptions = 0
     self.prefix_caching = prefix_caching and self.page_table is not None
     self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found cached
+    if max_prefill_tokens is not None and not (isinstance(max_prefill_tokens, int) and max_prefill_tokens >= 1):
+      raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens}")
+    self.max_prefill_tokens = max_prefill_tokens if self.page_table is not None else None  # chunks go into pages
+    self._prefilling: dict[int, list] = {}  # slot -> [its _Running, prompt tokens in its pages]
     self._admissions = itertools.count()
     eos = tuple(decoder.target_config.stop_ids)
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
@@ -245,7 +252,8 @@ class Engine:
 
   @property
   def num_running(self) -> int:
-    return sum(r is not None for r in self._running)
+    """Requests in a slot: decoding, or prefilling in chunks."""
+    return sum(r is not None for r in self._running) + len(self._prefilling)
 
   @property
   def has_work(self) -> bool:
@@ -290,9 +298,13 @@ class Engine:
     for b, run in enumerate(self._running):
       if run is not None and run.id in aborted:
         deltas.append(self._finish(b, "", [], "abort"))
+    for b, (run, _) in list(self._prefilling.items()):
+      if run.id in aborted:
+        deltas.append(Delta(run.id, "", [], True, None, "abort"))
+        self._vacate(b)
     self.last_prefill_seconds, self.last_segment_seconds = [], None
     self._admit()
-    if self.num_running == 0:
+    if not any(r is not None for r in self._running):
       return deltas
     self._grow()
     begin = time.perf_counter()
@@ -337,6 +349,10 @@ class Engine:
     self._retire_B[b] = True
     if self.page_table is None:
       return
+    if b in self._prefilling:  # its prompt not yet all in its pages: none is cached
+      del self._prefilling[b]
+      self.page_table.release(b)
+      return
     if self.prefix_caching:
       self.page_table.register(b, self._final_pages([*run.request.prompt_ids, *run.emitted],
                                                     self.decoder.headroom + 1))
@@ -352,19 +368,22 @@ class Engine:
     the youngest when the pool runs out; then the device reads the new page table."""
     if self.page_table is None:
       return
+    holders = lambda: {**{b: r for b, r in enumerate(self._running) if r is not None},
+                       **{b: run for b, (run, _) in self._prefilling.items()}}
     for _, b in sorted((r.admitted, b) for b, r in enumerate(self._running) if r is not None):
       run = self._running[b]
       while run is not None and not self.page_table.grow(b, self._written(run.request, run.sent)):
-        youngest = max((r.admitted, v) for v, r in enumerate(self._running) if r is not None)[1]
-        self._preempt(youngest)
+        self._preempt(max((r.admitted, v) for v, r in holders().items())[1])
         run = self._running[b]
     if self.page_table.changed:
-      self._state = kvcache.with_page_table(self._state, self.page_table.table)
+      table = self.page_table.table.copy()
+      table[list(self._prefilling)] = NULL_PAGE  # not decoding yet: the segment must not write into them
+      self._state = kvcache.with_page_table(self._state, table)
       self.page_table.changed = False
 
   def _preempt(self, b: int) -> None:
     """Frees slot b's pages; its request waits at the head of the queue to resume from its output so far."""
-    run = self._running[b]
+    run = self._running[b] if self._running[b] is not None else self._prefilling[b][0]
     self._vacate(b)
     self.num_preemptions += 1
     resumed = run.resumed()
@@ -377,9 +396,13 @@ class Engine:
     if self._state is None and self._waiting:  # idle rows, ended by the first segment
       idle = [Request([0], 1)] * self.slots
       self._state = self._call("prefill", programs.start, self.decoder, self._requests(idle))
+    budget = self.max_prefill_tokens or math.inf
+    pending = sum(len(run.request.prompt_ids) - done for run, done in self._prefilling.values())
     for b in range(self.slots):
-      if self._running[b] is not None or not self._waiting:
+      if self._running[b] is not None or b in self._prefilling or not self._waiting:
         continue
+      if pending >= budget:
+        break  # this step's prefill is spent
       with self._lock:
         request_id, req, run = self._waiting[0]
       cached = self._place(b, req)
@@ -391,13 +414,42 @@ class Engine:
         stops = frozenset(() if req.ignore_eos else self.eos) | {int(t) for t in req.stop_ids}
         run = _Running(request_id, req, _Text(self.tokenizer, req.stop), stops, next(self._admissions),
                        self._tables(req))
-      self._fit_constraints(run.tables)
-      self._state = self._call("insert", programs.insert, self.decoder, self._state,
-                               self._requests([req], [run.tables], b, cached), np.int32(b))
-      self._running[b] = run
-      self._retire_B[b] = False
-      if self.prefix_caching:
-        self.page_table.register(b, self._final_pages(req.prompt_ids))
+      self._prefilling[b] = [run, cached]
+      pending += len(req.prompt_ids) - cached
+    self._prefill(budget)
+
+  def _prefill(self, budget: float) -> None:
+    """Prefills up to `budget` prompt tokens of the admitted requests, oldest first: a prompt whose rest fits
+    starts decoding (`insert`); else a chunk of whole pages goes into its pages (`prefill_pages`), its
+    last two tokens kept for the insert (a head drafter reads the feature before the last)."""
+    for b in sorted(self._prefilling, key=lambda b: self._prefilling[b][0].admitted):
+      run, done = self._prefilling[b]
+      prompt = run.request.prompt_ids
+      rest = len(prompt) - done
+      if rest <= budget:
+        del self._prefilling[b]
+        self._insert(b, run, done)
+        budget -= rest
+        continue
+      chunk = min(budget, rest - 2)
+      chunk = chunk - chunk % kvcache.PAGE_SIZE if chunk >= kvcache.PAGE_SIZE else chunk
+      if chunk > 0:
+        self._state = self._call("chunk", programs.prefill_pages, self.decoder, self._state,
+                                 self._requests([run.request], [run.tables], b, done, int(chunk)))
+        self._prefilling[b][1] += int(chunk)
+      return
+
+  def _insert(self, b: int, run: _Running, cached: int) -> None:
+    """Starts `run`'s request decoding in slot b, the first `cached` tokens of its prompt in its pages."""
+    req = run.request
+    self._fit_constraints(run.tables)
+    width = request.prompt_bucket(len(req.prompt_ids) - cached) if cached else None
+    self._state = self._call("insert", programs.insert, self.decoder, self._state,
+                             self._requests([req], [run.tables], b, cached, width), np.int32(b))
+    self._running[b] = run
+    self._retire_B[b] = False
+    if self.prefix_caching:
+      self.page_table.register(b, self._final_pages(req.prompt_ids))
 
   def _final_pages(self, tokens: Sequence[int], margin: int = 2) -> list[bytes]:
     """The hashes of the full pages of `tokens` whose entries are final in every cache: the target's holds
@@ -437,9 +489,9 @@ class Engine:
     self._constraint_shape = shape
 
   def _requests(self, reqs: list[Request], tables: list[constraints.Tables | None] | None = None,
-                slot: int | None = None, cached: int = 0) -> request.Batch:
-    """The batch of `reqs` (with `tables`, default none) for the rows from `slot` (default: idle rows), the
-    first `cached` tokens of one request's prompt in its pages already."""
+                slot: int | None = None, cached: int = 0, width: int | None = None) -> request.Batch:
+    """The batch of `reqs` (with `tables`, default none) for the rows from `slot` (default: idle rows); with
+    `width`, one request's prefill runs `width` tokens from `cached` (those before are in its pages)."""
     stop_ids = [list(() if r.ignore_eos else self.eos) + [int(t) for t in r.stop_ids] for r in reqs]
     tables = tables or [None] * len(reqs)
     requests = request.make_batch(
@@ -453,9 +505,8 @@ class Engine:
       table = self.page_table.table
       rows = table[slot:slot + len(reqs)] if slot is not None else np.full((len(reqs), table.shape[1]), NULL_PAGE)
       requests = requests.replace(page_table_BxR=rows.astype(np.int32), pages=self.page_table.pages + 1)
-    if cached:
-      requests = requests.replace(cached_B=np.full((1,), cached, np.int32),
-                                  prefill_width=request.prompt_bucket(len(reqs[0].prompt_ids) - cached))
+    if width is not None:
+      requests = requests.replace(cached_B=np.full((1,), cached, np.int32), prefill_width=width)
     layout = self.decoder.layout
     return requests if layout is None else sharding.place(requests, layout.mesh)
 
@@ -463,7 +514,7 @@ class Engine:
     """`jitted`'s executable for these shapes. The engine keeps the executables it used: finding one in
     the engine's cache hashes every argument's shape and static field, which costs more than a segment's
     call."""
-    key = (name, (args[2].prompts_BxP.shape, args[2].prefill_width) if name == "insert" else None,
+    key = (name, (args[2].prompts_BxP.shape, args[2].prefill_width) if name in ("insert", "chunk") else None,
            self._constraint_shape, tuple(static.items()))
     if key not in self._executables:
       executable, seconds = programs.compiled(name, lambda: jitted.lower(*args, **static), args, **static)

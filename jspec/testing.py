@@ -153,6 +153,9 @@ ATTENTION_CASES = {
     "heads-major": dict(heads_major=True),
     "mha": dict(heads=2, kv_heads=2, seq=4),
     "prefill": dict(seq=300, lengths=(0, 60), window=100),
+    "paged": dict(paged=True),
+    "paged-tree": dict(tree=True, paged=True, lengths=(130, 250)),
+    "paged-prefill": dict(seq=200, lengths=(0, 60), paged=True),
 }
 
 
@@ -167,9 +170,10 @@ def _ancestors(batch: int, seq: int, entries: int, rng) -> np.ndarray:
 
 
 def attention_case(kernel, dtype, seq=3, heads=4, kv_heads=2, lengths=(5, 200), window=0, softcap=None,
-                   scale=None, tree=False, heads_major=False) -> jax.Array:
+                   scale=None, tree=False, heads_major=False, paged=False) -> jax.Array:
   """`attention.cached_attention` of random queries over a random cache (an `ATTENTION_CASES` entry) with
-  `kernel` (None: the reference), in fp32. The inputs are drawn in fp32 and cast to `dtype`."""
+  `kernel` (None: the reference), in fp32. The inputs are drawn in fp32 and cast to `dtype`. `paged`: the
+  same cache as a pool of pages in a shuffled order, read through a page table."""
   from jspec import attention
   batch, head_dim, capacity = len(lengths), 16, 384
   kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -177,8 +181,16 @@ def attention_case(kernel, dtype, seq=3, heads=4, kv_heads=2, lengths=(5, 200), 
   k = jax.random.normal(kk, (batch * kv_heads, capacity, head_dim)).astype(dtype)
   v = jax.random.normal(kv, (batch * kv_heads, capacity, head_dim)).astype(dtype)
   mask = jnp.asarray(_ancestors(batch, seq, seq + 2, np.random.default_rng(0))) if tree else None
+  table = None
+  if paged:  # row b's block r (its kv heads) in page table[b, r] of a pool with a spare page
+    blocks = capacity // 128
+    table = jnp.asarray(np.random.default_rng(1).permutation(batch * blocks + 1)[:batch * blocks], jnp.int32)
+    as_pages = lambda x: x.reshape(batch, kv_heads, blocks, 128, head_dim).transpose(0, 2, 1, 3, 4).reshape(
+        batch * blocks, kv_heads, 128, head_dim)
+    pool = lambda x: jnp.zeros((batch * blocks + 1, kv_heads, 128, head_dim), dtype).at[table].set(as_pages(x))
+    k, v, table = pool(k), pool(v), table.reshape(batch, blocks)
   return attention.cached_attention(q, k, v, jnp.asarray(lengths, jnp.int32), heads_major, window, softcap, scale,
-                                    tree_BxSxA=mask, kernel=kernel).astype(jnp.float32)
+                                    tree_BxSxA=mask, kernel=kernel, page_table_BxR=table).astype(jnp.float32)
 
 
 def full_logits(m: Model, tokens_BxS) -> np.ndarray:

@@ -13,14 +13,17 @@ from jspec.pallas_attention import Kernel
 from jspec.settings import TreeConfig
 
 # The kernels share their block update and block ranges; the GPU's differs in its tiles and loop.
-GPU_CASES = ("chain", "step", "softcap", "tree-window", "prefill")
+GPU_CASES = ("chain", "step", "softcap", "tree-window", "prefill", "paged", "paged-tree")
 
 
 @pytest.mark.parametrize("backend, case",
                          [("tpu", c) for c in testing.ATTENTION_CASES] + [("gpu", c) for c in GPU_CASES])
 def test_kernel_equals_the_reference(backend, case):
+  """Paged cases against the contiguous reference: the same cache, its blocks in shuffled pages."""
   options, kernel = testing.ATTENTION_CASES[case], Kernel(backend, interpret=True)
-  ref = testing.attention_case(None, jnp.float32, **options)
+  ref = testing.attention_case(None, jnp.float32, **{**options, "paged": False})
+  if options.get("paged"):  # the reference reads pages too
+    np.testing.assert_allclose(testing.attention_case(None, jnp.float32, **options), ref, atol=1e-6, rtol=1e-6)
   np.testing.assert_allclose(testing.attention_case(kernel, jnp.float32, **options), ref, atol=1e-5, rtol=1e-5)
   if case in ("chain", "tree"):  # bf16 caches: within bf16's rounding of the fp32 result
     np.testing.assert_allclose(testing.attention_case(kernel, jnp.bfloat16, **options), ref, atol=3e-2, rtol=3e-2)
@@ -72,6 +75,14 @@ def test_the_tpu_kernel_compiles_for_a_v5e_topology():
     lowered = jax.jit(fn).lower(*args, tree)
     assert "tpu_custom_call" in lowered.as_text()
     assert lowered.compile().memory_analysis().argument_size_in_bytes > 0
+  # A pool of pages read through a page table, on one chip (the server's paged caches are unsharded).
+  one = NamedSharding(Mesh(devices[:, :1], ("data", "model")), PartitionSpec())
+  pool = _abstract((20, kv_heads, 128, head_dim), jnp.bfloat16, one)
+  paged = lambda q, k, v, lengths, table: attention.cached_attention(q, k, v, lengths, page_table_BxR=table,
+                                                                     kernel=Kernel("tpu"))
+  lowered = jax.jit(paged).lower(_abstract((batch, seq, heads, head_dim), jnp.bfloat16, one), pool, pool,
+                                 _abstract((batch,), jnp.int32, one), _abstract((batch, 8), jnp.int32, one))
+  assert "tpu_custom_call" in lowered.as_text() and lowered.compile() is not None
 
 
 def test_the_gpu_kernel_lowers_to_triton():
@@ -83,6 +94,11 @@ def test_the_gpu_kernel_lowers_to_triton():
     fn = lambda q, k, v, lengths, t: attention.cached_attention(q, k, v, lengths, False, 64, 30.0, tree_BxSxA=t,
                                                                  kernel=Kernel("gpu"))
     assert "__gpu$xla.gpu.triton" in jax.jit(fn).trace(*args, tree).lower(lowering_platforms=("cuda",)).as_text()
+  pool = _abstract((20, kv_heads, 128, head_dim), jnp.bfloat16)
+  paged = lambda q, k, v, lengths, table: attention.cached_attention(q, k, v, lengths, page_table_BxR=table,
+                                                                     kernel=Kernel("gpu"))
+  traced = jax.jit(paged).trace(args[0], pool, pool, args[3], _abstract((batch, 4), jnp.int32))
+  assert "__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
   odd = (_abstract((1, 1, 4, 24), jnp.float32), *[_abstract((4, 128, 24), jnp.float32)] * 2,
          _abstract((1,), jnp.int32))
   with pytest.raises(ValueError, match="power-of-two head dim"):

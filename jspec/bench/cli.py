@@ -6,6 +6,7 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
   python -m jspec.bench --suite drafters --draft-lens 2,4,6 --prompt-sets code,thirdparty,prose   # per drafter
   python -m jspec.bench --target DIR --draft eagle=DIR --suite defaults   # your own pair
   python -m jspec.bench --suite serving --drafters eagle   # the server: speculative against plain, over HTTP
+  python -m jspec.bench --suite paging --drafters eagle    # paged caches: capacity, prefix caching, chunks
   python -m jspec.bench --suite cross-vocab --draft-lens 4 --prompt-sets code   # drafts with another tokenizer
   python -m jspec.bench --suite structured --drafters eagle,model,medusa,ngram   # under constraints
   python -m jspec.bench --suite gpu                  # the prepared check on one NVIDIA GPU (--smoke: anywhere)
@@ -23,7 +24,7 @@ import jax
 
 import jspec
 from jspec import flags, shipped, testing
-from jspec.bench import cross_vocab, end_to_end, gpu, parts, serving, structured, sweep
+from jspec.bench import cross_vocab, end_to_end, gpu, paging, parts, serving, structured, sweep
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.bench.timing import machine
 
@@ -61,6 +62,12 @@ def _quick(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
   drafts = {"model": testing.perturbed(target, 0.3), "ngram": None}
   return {"sets": {"quick": sweep.suite_sweep(target, drafts, ["def f(x):", "import os\n"], [2], [1.0], [1, 2],
                                               16, 1)}}
+
+
+def _paging(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
+  result = paging.suite_paging(models, _kinds(args)[0])
+  (out_dir / "paging.md").write_text(paging.markdown(result) + "\n")
+  return result
 
 
 def _gpu(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
@@ -111,6 +118,8 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
     "serving": ("the OpenAI server under Poisson arrivals over HTTP, speculative against --no-draft",
                 lambda a, m, o: serving.suite_serving(m, _kinds(a)[0], [float(r) for r in a.rates.split(",")],
                                                       a.requests, a.repeats, a.batch_size, out_dir=o)),
+    "paging": ("the paged engine: requests at once in a few slots' memory, a shared prefix's time to first "
+               "token, streams' gaps while a long prompt goes in chunks", lambda a, m, o: _paging(a, m, o)),
     "gpu": ("the prepared accelerator check: losslessness on the device, an 8B-shaped target against its "
             "weight-streaming bound, verify and round costs", _gpu),
 }

@@ -43,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--max-total-tokens", type=int, default=None, metavar="N",
                  help="tokens the paged KV cache holds across all requests, in pages of 128 (default: as many as "
                       "fit --memory-fraction, at most every slot's whole context)")
+  g.add_argument("--max-prefill-tokens", type=int, default=512, metavar="N",
+                 help="prompt tokens prefilled between two decode segments: a longer prompt goes in chunks, so "
+                      "running streams keep moving (0: whole prompts)")
   g.add_argument("--no-prefix-caching", action="store_true",
                  help="prefill every prompt whole (default: a prompt shares the cached pages of its longest prefix "
                       "an earlier request left, and prefills the rest)")
@@ -64,6 +67,8 @@ def check(args: argparse.Namespace) -> None:
   for name in ("batch_size", "max_queue", "segment_rounds", "max_total_tokens"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.max_prefill_tokens < 0:
+    raise ValueError(f"--max-prefill-tokens must be >= 0, got {args.max_prefill_tokens}")
   if not 0 < args.memory_fraction <= 1:
     raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
   if args.num_processes is not None and args.num_processes > 1:
@@ -105,7 +110,8 @@ def build(args: argparse.Namespace):
   make = lambda: jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
                                    segment_rounds=args.segment_rounds, memory_fraction=args.memory_fraction,
                                    pages=args.max_total_tokens and pages_for(args.max_total_tokens),
-                                   prefix_caching=not args.no_prefix_caching, **models)
+                                   prefix_caching=not args.no_prefix_caching,
+                                   max_prefill_tokens=args.max_prefill_tokens or None, **models)
   engine = make()  # what cannot fit is refused before anything is measured or compiled
   if not args.no_calibrate and calibrate(target, models, engine.slots):
     engine = make()  # with the figures just measured
