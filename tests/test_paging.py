@@ -214,7 +214,8 @@ def test_the_two_token_law_holds_through_a_prefix_hit():
 
 def test_streams_keep_moving_while_a_long_prompt_goes_in_chunks(pair):
   """Two streams decode while a 360-token prompt is prefilled 100 tokens per step: every step of its prefill
-  hands them tokens, and all three get the tokens of `generate`."""
+  hands them tokens, and all three get the tokens of `generate`. The same requests again (a cached prefix: a
+  prefill of another width, compiled once) and again, sampled, with other pages, compile nothing new."""
   target, draft = pair
   spec = testing.fixed_k(3)
   engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=400, segment_rounds=2,
@@ -239,3 +240,10 @@ def test_streams_keep_moving_while_a_long_prompt_goes_in_chunks(pair):
     n = 30 if i == "long" else 80
     want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=n).token_ids[0]
     assert [t for d in out[i] for t in d.token_ids] == want, i
+  compiled = []
+  for attempt in range(2):
+    for i, prompt in prompts.items():
+      engine.add(Request(prompt, 30 if i == "long" else 80, jspec.SamplingConfig(0.8), seed=attempt), (attempt, i))
+    _drain(engine)
+    compiled.append(len(engine._executables))
+  assert compiled[0] == compiled[1]

@@ -7,11 +7,14 @@ from __future__ import annotations
 import statistics
 import time
 
+import jax
 import numpy as np
 
 import jspec
-from jspec import data, pages
+from jspec import data, pages, programs
 from jspec.bench.parts import Models, shipped_pair
+from jspec.decoder import make_decoder
+from jspec.request import make_batch
 from jspec.scheduler import Request
 
 CHUNK = 512  # the server's --max-prefill-tokens
@@ -121,10 +124,34 @@ def long_prompt_stall(target, draft, kind: str, streams: int, prompt_tokens: int
           "gap_ratio": max(gaps) / statistics.median(gaps), "goal": 2.0}
 
 
+def static_batch(target, draft, kind: str, batch: int, new_tokens: int, repeats: int) -> dict:
+  """`jspec.generate`'s program over a static batch with contiguous caches and with the same caches paged
+  (each row's pages scattered over a pool): decode seconds, interleaved, medians."""
+  text = _heldout_tokens(target, 200 * batch, 3)
+  decoder = make_decoder(target, draft, jspec.SpecConfig(4, drafter=kind), batch)
+  requests = make_batch(decoder, [text[200 * i:200 * (i + 1)] for i in range(batch)], new_tokens, ignore_eos=True)
+  per_row = requests.capacity // pages.PAGE_SIZE
+  table = np.random.default_rng(0).permutation(batch * per_row).reshape(batch, per_row).astype(np.int32)
+  paged = requests.replace(page_table_BxR=table, pages=batch * per_row)
+  runs = {"contiguous": requests, "paged": paged}
+  times = {name: [] for name in runs}
+  for r in runs.values():  # compile
+    jax.block_until_ready(programs.run(decoder, r))
+  for i in range(repeats):
+    for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+      begin = time.perf_counter()
+      jax.block_until_ready(programs.run(decoder, runs[name]))
+      times[name].append(time.perf_counter() - begin)
+  medians = {name: statistics.median(t) for name, t in times.items()}
+  return {"drafter": kind, "batch": batch, "new_tokens": new_tokens, "repeats": repeats,
+          "seconds": medians, "paged_over_contiguous": medians["paged"] / medians["contiguous"]}
+
+
 def suite_paging(models: Models, kind: str) -> dict:
   target, draft = shipped_pair(models, kind)
   context = target.config.max_seq_len
-  result = {"capacity": capacity(target, draft, kind, slot_rows=4, requests=32, max_len=context),
+  result = {"static_batch": static_batch(target, draft, kind, batch=4, new_tokens=128, repeats=5),
+            "capacity": capacity(target, draft, kind, slot_rows=4, requests=32, max_len=context),
             "shared_prefix": shared_prefix(target, draft, kind, system_tokens=1000, requests=6, max_len=context),
             "long_prompt": [long_prompt_stall(target, draft, kind, 4, min(2000, context - 48), chunk, context)
                             for chunk in (CHUNK, None)]}
@@ -132,8 +159,11 @@ def suite_paging(models: Models, kind: str) -> dict:
 
 
 def markdown(result: dict) -> str:
-  c, s = result["capacity"], result["shared_prefix"]
-  lines = [f"Capacity: {c['requests']} requests (prompts 64-1,024 tokens, mean {c['mean_prompt']:.0f}; outputs "
+  c, s, b = result["capacity"], result["shared_prefix"], result["static_batch"]
+  lines = [f"A static batch of {b['batch']} ({b['new_tokens']} new tokens), `generate`'s program: paged caches took "
+           f"{b['paged_over_contiguous']:.2f}x the contiguous caches' time ({b['seconds']['paged']:.2f} s against "
+           f"{b['seconds']['contiguous']:.2f} s, medians of {b['repeats']}).",
+           f"Capacity: {c['requests']} requests (prompts 64-1,024 tokens, mean {c['mean_prompt']:.0f}; outputs "
            f"32-256, mean {c['mean_output']:.0f}) on pages worth {c['slot_rows']} whole-context slots "
            f"({c['pages']} pages of {pages.PAGE_SIZE}): at most {c['most_decoding']} decoding at once (mean "
            f"{c['mean_decoding']:.1f}), {c['capacity_ratio']:.2f}x the slots; {c['preemptions']} preemptions.",
