@@ -182,6 +182,7 @@ class Engine:
       raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens}")
     self.max_prefill_tokens = max_prefill_tokens if self.page_table is not None else None  # chunks go into pages
     self._prefilling: dict[int, list] = {}  # slot -> [its _Running, prompt tokens in its pages]
+    self._chunk_seconds: dict[int, float] = {}  # slot -> its chunks' time, counted with its prefill
     self._admissions = itertools.count()
     eos = tuple(decoder.target_config.stop_ids)
     self.eos, self.stop_width = eos, len(eos) + MAX_STOP_IDS
@@ -351,6 +352,7 @@ class Engine:
       return
     if b in self._prefilling:  # its prompt not yet all in its pages: none is cached
       del self._prefilling[b]
+      self._chunk_seconds.pop(b, None)
       self.page_table.release(b)
       return
     if self.prefix_caching:
@@ -434,8 +436,10 @@ class Engine:
       chunk = min(budget, rest - 2)
       chunk = chunk - chunk % kvcache.PAGE_SIZE if chunk >= kvcache.PAGE_SIZE else chunk
       if chunk > 0:
+        before = self.decode_seconds
         self._state = self._call("chunk", programs.prefill_pages, self.decoder, self._state,
                                  self._requests([run.request], [run.tables], b, done, int(chunk)))
+        self._chunk_seconds[b] = self._chunk_seconds.get(b, 0.0) + self.decode_seconds - before
         self._prefilling[b][1] += int(chunk)
       return
 
@@ -446,6 +450,7 @@ class Engine:
     width = request.prompt_bucket(len(req.prompt_ids) - cached) if cached else None
     self._state = self._call("insert", programs.insert, self.decoder, self._state,
                              self._requests([req], [run.tables], b, cached, width), np.int32(b))
+    self.last_prefill_seconds[-1] += self._chunk_seconds.pop(b, 0.0)
     self._running[b] = run
     self._retire_B[b] = False
     if self.prefix_caching:
