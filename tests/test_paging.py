@@ -171,7 +171,7 @@ def test_a_constrained_request_resumes_inside_its_constraint(monkeypatch):
 SYSTEM = [(7 * i) % 200 + 3 for i in range(300)]
 
 
-@pytest.mark.parametrize("kind", ["plain", "model", "eagle"])
+@pytest.mark.parametrize("kind", ["model", "eagle"])  # the target's prefill from a cached prefix in both
 def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
   """Later requests share the first request's full prompt pages (ending mid-page: the rest is prefilled) and
   get the tokens `generate` gives them; a drafter's cache shares the pages too (EAGLE one less). Prompts
