@@ -272,10 +272,13 @@ class Engine:
 
   def warm_up(self, prompt_lens: Sequence[int] | None = None) -> None:
     """Compiles (or loads) the programs requests run, so that none waits on a compile: one short request
-    per prompt length (default: one per prompt bucket, each its own insert program), run to the end."""
+    per prompt length (default: one per prompt bucket, each its own insert program, and its chunks'),
+    run to the end. They neither look up nor leave cached prefixes (a prefix hit's narrower prefill
+    compiles on first use)."""
     if prompt_lens is None:
       longest = request.prompt_bucket(self.max_len - 1)
       prompt_lens = sorted({min(request.prompt_bucket(n), self.max_len - 1) for n in range(1, longest + 1)})
+    caching, self.prefix_caching = self.prefix_caching, False
     for n in prompt_lens:
       warm = Request([0] * n, 1, ignore_eos=True)
       if self.page_table is not None and pages_for(self._written(warm, 1)) > self.page_table.pages:
@@ -283,6 +286,7 @@ class Engine:
       self.add(warm)
       while self.has_work:
         self.step()
+    self.prefix_caching = caching
     for width in self.widths:
       self._executable("segment", programs.resume_rows, self._segment_args(), width=width)
 
