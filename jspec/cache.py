@@ -44,7 +44,7 @@ class KVCache:
   page_table: jax.Array | None = None  # [B, R] int32: the pool page of each row's R pages; None: contiguous rows
 
   def row(self, b, j, batch: int, kv_heads: int):
-    """The buffer row of batch row b's kv head j (contiguous rows; for a pool, of page b of `batch`)."""
+    """The buffer row of batch row b's kv head j (contiguous rows)."""
     return j * batch + b if self.heads_major else b * kv_heads + j
 
   @property
