@@ -202,6 +202,6 @@ def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: in
   state = started_state(decoder, idle, capacity)
   one = sharding.place(memory.abstract_requests(decoder, 1, prompt_width, capacity), mesh)
   scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-  return {"segment": compiled(programs.resume_rows.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
-                                                         scalar(jnp.bool_, (slots,)), width=slots)),
+  return {"segment": compiled(programs.segment.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
+                                                     scalar(jnp.bool_, (slots,)), width=slots)),
           "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)))}

@@ -19,7 +19,7 @@ from jspec.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
 from jspec.model import Model
 from jspec.request import check_prompts, make_batch, seed_array
-from jspec.scheduler import SEGMENT_ROUNDS, Engine, Stream
+from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS, Engine, Stream
 from jspec.settings import SamplingConfig, SpecConfig
 from jspec.stats import RequestStats, Stats
 from jspec.tokenizer import detokenize, encode
@@ -213,14 +213,15 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, batch
 
 def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: SpecConfig | None = None,
                 slots: int | None = DEFAULT_SLOTS, max_len: int | None = None, mesh: Mesh | None = None,
-                shard_draft: bool = True, segment_rounds: int = SEGMENT_ROUNDS,
+                shard_draft: bool = True, segment_rounds: int = SEGMENT_ROUNDS, stream_rounds: int = STREAM_ROUNDS,
                 memory_fraction: float = 1.0, attention: str = "auto", pages: int | None = None,
                 prefix_caching: bool = True, max_prefill_tokens: int | None = None) -> Engine:
   """An online `Engine` over `slots` rows of up to `max_len` tokens each (default: the model's context):
   `add` requests (`jspec.Request`) at any time, from any thread, `abort` them, and `step` it for their
   text deltas. The models, `spec` and `attention` are as for `generate`. Segments run at the narrowest batch width
   that holds the busy rows, and the adaptive policy reads the costs of that width, so a full engine
-  decodes plainly and a quiet one speculates.
+  decodes plainly and a quiet one speculates. A segment runs `segment_rounds` rounds, or `stream_rounds`
+  while a request with `stream=True` runs and none waits for a slot.
 
   The slots must fit `memory_fraction` of the device (`jspec.memory`; a ValueError says what would);
   `slots=None` takes as many as fit, up to `DEFAULT_SLOTS`. Off a mesh the slots share a pool of `pages`
@@ -239,5 +240,5 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
   return Engine(decoder, target.tokenizer, slots=slots, max_len=max_len, segment_rounds=segment_rounds,
-                memory_fraction=memory_fraction, pages=pages, prefix_caching=prefix_caching,
+                stream_rounds=stream_rounds, memory_fraction=memory_fraction, pages=pages, prefix_caching=prefix_caching,
                 max_prefill_tokens=max_prefill_tokens)

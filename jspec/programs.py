@@ -12,7 +12,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -50,11 +50,28 @@ def lower(decoder: Decoder, requests: Batch) -> Any:
   return explicit.lower(decoder, requests)
 
 
+class Report(NamedTuple):
+  """What a segment hands the host: every row's tokens and length, which rows are done, the statistics."""
+  tokens_BxT: jax.Array
+  seq_lens_B: jax.Array
+  done_B: jax.Array
+  stats: DecodeStats
+
+
+def _segment(decoder: Decoder, state: decode.DecodeState, max_rounds: jax.Array, stop_at_finish: jax.Array,
+             retire_B: jax.Array, *, width: int) -> tuple[decode.DecodeState, Report]:
+  """A segment of the loop over the first `width` rows (`run_rows`), and the part of its state the host
+  reads: buffers of their own, so the host can read them while the next segment updates the state."""
+  state = run_rows(decoder, state, max_rounds, stop_at_finish, retire_B, width=width)
+  return state, Report(state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats)
+
+
+
 # Jitted pieces for segmented decoding (streaming, continuous batching): the prefill of a batch, a segment
 # of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
 # place on accelerators, and the caller holds only what each call returns.
 start = jax.jit(decode.start, static_argnames="capacity")
-resume_rows = jax.jit(run_rows, static_argnames="width", donate_argnames="state")
+segment = jax.jit(_segment, static_argnames="width", donate_argnames="state")
 insert = jax.jit(insert, donate_argnames="state")
 prefill_pages = jax.jit(prefill_pages, donate_argnames="state")
 

@@ -49,6 +49,8 @@ from jspec.tokenizer import IncrementalDetokenizer
 # Rounds per segment (one host visit): few enough host visits that they cost little throughput
 # (BENCHMARKS.md, "Streaming"), often enough that text appears every few tens of milliseconds.
 SEGMENT_ROUNDS = 16
+STREAM_ROUNDS = 2  # rounds per segment while a young streamed request runs (BENCHMARKS.md, "Streaming")
+YOUNG_TOKENS = 128  # a streamed request's first tokens, which come in short segments
 MAX_STOP_IDS = 8  # stop token ids a request may add to the target's EOS tokens (a compiled width)
 
 
@@ -57,7 +59,7 @@ class Request:
   """One request as the engine takes it. `stop`: strings that end the text (checked on the text; the
   stop string is not returned); `stop_ids`: tokens that end it besides the target's EOS tokens (which
   `ignore_eos` drops); `speculate` False decodes this request plainly; `constraint` restricts its output
-  (`jspec.generate` says how)."""
+  (`jspec.generate` says how); `stream`: someone watches its text arrive (short segments while it runs)."""
   prompt_ids: Sequence[int]
   max_new_tokens: int
   sampling: SamplingConfig = GREEDY
@@ -67,6 +69,7 @@ class Request:
   ignore_eos: bool = False
   speculate: bool = True
   constraint: Constraint | None = None
+  stream: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +116,7 @@ class _Running:
   admitted: int = 0  # admission order: the youngest is preempted first
   tables: constraints.Tables | None = None  # the constraint, started after the tokens emitted so far
   emitted: list[int] = dataclasses.field(default_factory=list)  # tokens of `request`'s output handed out
+  unread_rounds: int = 0  # rounds of segments set going for it whose tokens the host has not read
 
   @property
   def sent(self) -> int:
@@ -124,7 +128,16 @@ class _Running:
     tables = self.tables if self.tables is None else automaton.advanced(self.tables, self.emitted)
     request = dataclasses.replace(req, prompt_ids=[*req.prompt_ids, *self.emitted],
                                   max_new_tokens=req.max_new_tokens - len(self.emitted))
-    return dataclasses.replace(self, request=request, tables=tables, emitted=[])
+    return dataclasses.replace(self, request=request, tables=tables, emitted=[], unread_rounds=0)
+
+
+@dataclasses.dataclass
+class _Segment:
+  """A segment set going on the device, not yet read: what it will report, and the requests its rows held."""
+  report: programs.Report
+  runs: list[_Running | None]
+  rounds: int
+  dispatched: float  # when it was set going (time.perf_counter)
 
 
 class Engine:
@@ -142,16 +155,18 @@ class Engine:
   """
 
   def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
-               segment_rounds: int = SEGMENT_ROUNDS, narrow: bool = True, memory_fraction: float = 1.0,
+               segment_rounds: int = SEGMENT_ROUNDS, stream_rounds: int = STREAM_ROUNDS, narrow: bool = True,
+               memory_fraction: float = 1.0,
                pages: int | None = None, prefix_caching: bool = True, max_prefill_tokens: int | None = None):
-    if not (isinstance(segment_rounds, int) and segment_rounds >= 1):
-      raise ValueError(f"segment_rounds must be an integer >= 1, got {segment_rounds}")
+    for name, rounds in (("segment_rounds", segment_rounds), ("stream_rounds", stream_rounds)):
+      if not (isinstance(rounds, int) and rounds >= 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {rounds}")
     context = decoder.context_len
     max_len = max_len or context
     if not (isinstance(max_len, int) and 2 <= max_len <= context):
       raise ValueError(f"max_len must be an integer in [2, {context}] (the model's context), got {max_len}")
     self.decoder, self.tokenizer, self.slots, self.max_len = decoder, tokenizer, slots, max_len
-    self.segment_rounds = segment_rounds
+    self.segment_rounds, self.stream_rounds = segment_rounds, min(stream_rounds, segment_rounds)
     # A segment runs over the narrowest of these widths that holds every busy row (requests take the
     # lowest free slot, so the busy rows stay low); each is a program to compile. A mesh splits rows, so
     # it runs every row.
@@ -172,9 +187,6 @@ class Engine:
     else:
       memory.check(decoder, slots, max_len, max_len - 1, layout.mesh, not layout.draft_replicated, serving=True,
                    memory=budget)
-    # Slots a row may write past its length in one segment: each round commits at most K + 1 tokens and
-    # writes up to a round's headroom past them.
-    self._reach = segment_rounds * (decoder.draft_len + 1) + decoder.headroom + 1
     self.num_preemptions = 0
     self.prefix_caching = prefix_caching and self.page_table is not None
     self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found cached
@@ -199,7 +211,9 @@ class Engine:
     self._running: list[_Running | None] = [None] * slots
     self._retire_B = np.ones((slots,), bool)  # rows to end at the next segment (idle or aborted)
     self._state = None
-    self._device_stats = None  # the statistics after the last segment, on the host
+    self._device_stats = None  # the statistics after the last segment read, on the host
+    self._unread: collections.deque[_Segment] = collections.deque()  # set going, oldest first
+    self._last_read = 0.0  # when the host last finished waiting for a segment (time.perf_counter)
     # The running batch's constraint automata are (states, classes) tables of this bucket, or absent while
     # no row is constrained; a constrained request that needs a bigger bucket grows it (a new program).
     self._constraint_shape: tuple[int, int] | None = None
@@ -258,7 +272,7 @@ class Engine:
 
   @property
   def has_work(self) -> bool:
-    return bool(self._waiting or self._aborted) or self.num_running > 0
+    return bool(self._waiting or self._aborted or self._unread) or self.num_running > 0
 
   @property
   def running_B(self) -> np.ndarray:
@@ -288,13 +302,13 @@ class Engine:
         self.step()
     self.prefix_caching = caching
     for width in self.widths:
-      self._executable("segment", programs.resume_rows, self._segment_args(), width=width)
+      self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), width=width)
 
   # --- deltas out (one thread) ---
 
   def step(self) -> list[Delta]:
-    """Ends aborted requests, starts waiting ones in free slots, runs one segment, and returns the deltas
-    since the last step."""
+    """Ends aborted requests, starts waiting ones in free slots, sets the next segment going and, while it
+    runs, reads the one before it: returns the deltas since that segment's predecessor was read."""
     with self._lock:
       aborted, self._aborted = self._aborted, set()
       dropped = [i for i, _, _ in self._waiting if i in aborted]
@@ -309,25 +323,57 @@ class Engine:
         self._vacate(b)
     self.last_prefill_seconds, self.last_segment_seconds = [], None
     self._admit()
-    if not any(r is not None for r in self._running):
-      return deltas
-    self._grow()
-    begin = time.perf_counter()
-    compiled = self.compile_seconds
+    running = any(r is not None for r in self._running)
+    if running:
+      self._dispatch()
+    return deltas + self._read(in_flight=int(running))
+
+  def _rounds(self) -> int:
+    """The next segment's rounds: `stream_rounds` while a young streamed request (fewer than `YOUNG_TOKENS`
+    emitted) decodes and none waits for a slot, so its first text comes soon and in small chunks; else
+    `segment_rounds` (fewer host visits: batch work, a stream's later text, and a saturated batch, whose
+    throughput the waiting requests need)."""
+    young = any(r is not None and r.request.stream and r.sent < YOUNG_TOKENS for r in self._running)
+    return self.stream_rounds if young and not self._waiting else self.segment_rounds
+
+  def _dispatch(self) -> None:
+    """Sets the next segment going on the device (asynchronously) for the rows running now."""
+    rounds = self._rounds()
+    self._grow(rounds)
     busy = max(b for b, r in enumerate(self._running) if r is not None)
-    state = self._call("segment", programs.resume_rows, *self._segment_args(),
-                       width=next(w for w in self.widths if w > busy))
+    self._state, report = self._call("segment", programs.segment, *self._segment_args(rounds),
+                                     width=next(w for w in self.widths if w > busy))
     self._retire_B[:] = False
-    tokens, seq_lens, done, stats = jax.device_get((state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats))
-    self._state, self._device_stats = state, stats
-    self.last_segment_seconds = time.perf_counter() - begin - (self.compile_seconds - compiled)
+    for run in self._running:
+      if run is not None:
+        run.unread_rounds += rounds
+    self._unread.append(_Segment(report, list(self._running), rounds, time.perf_counter()))
+
+  def _read(self, in_flight: int = 0) -> list[Delta]:
+    """Waits for the segments set going, all but the last `in_flight`, and turns their new tokens into
+    deltas for the rows that still hold the requests they ran (a request aborted, preempted or stopped by a
+    stop string since has had its last delta)."""
+    deltas = []
+    while len(self._unread) > in_flight:
+      deltas += self._read_one(self._unread.popleft())
+    return deltas
+
+  def _read_one(self, segment: _Segment) -> list[Delta]:
+    deltas = []
+    tokens, seq_lens, done, stats = jax.device_get(segment.report)
+    now = time.perf_counter()
+    # The device ran it from its dispatch or from the end of the segment before, whichever was later.
+    self.last_segment_seconds = now - max(segment.dispatched, self._last_read)
+    self._last_read = now
     self.decode_seconds += self.last_segment_seconds
-    for b, run in enumerate(self._running):
-      if run is None:
+    self._device_stats = stats
+    for b, run in enumerate(segment.runs):
+      if run is None or self._running[b] is not run:
         continue
       start = len(run.request.prompt_ids) + run.sent
       new_ids = tokens[b, start:seq_lens[b]].tolist()
       run.emitted.extend(new_ids)
+      run.unread_rounds -= segment.rounds
       text, stopped = run.text.push(new_ids, final=bool(done[b]))
       if stopped or done[b]:
         reason = "stop" if stopped or (new_ids and new_ids[-1] in run.stop_ids) else "length"
@@ -336,9 +382,8 @@ class Engine:
         deltas.append(Delta(run.id, text, new_ids))
     return deltas
 
-  def _segment_args(self) -> tuple:
-    return (self.decoder, self._state, np.int32(self.segment_rounds), np.asarray(bool(self._waiting)),
-            self._retire_B.copy())
+  def _segment_args(self, rounds: int) -> tuple:
+    return (self.decoder, self._state, np.int32(rounds), np.asarray(bool(self._waiting)), self._retire_B.copy())
 
   def _finish(self, b: int, text: str, new_ids: list[int], reason: str) -> Delta:
     run = self._running[b]
@@ -364,21 +409,27 @@ class Engine:
                                                     self.decoder.headroom + 1))
     self.page_table.release(b)
 
-  def _written(self, req: Request, emitted: int = 0) -> int:
-    """Slots a request's row may write into by the end of the next segment, having emitted `emitted`."""
-    return min(len(req.prompt_ids) + emitted + self._reach,
-               len(req.prompt_ids) + req.max_new_tokens + self.decoder.headroom + 1, self.capacity)
+  def _written(self, req: Request, emitted: int = 0, rounds: int | None = None) -> int:
+    """Slots a request's row may write into in `rounds` more rounds (default: a longest segment's), having
+    emitted `emitted` tokens: each round commits at most K + 1 tokens and writes up to a round's headroom
+    past them."""
+    rounds = self.segment_rounds if rounds is None else rounds
+    headroom = self.decoder.headroom + 1
+    return min(len(req.prompt_ids) + emitted + rounds * (self.decoder.draft_len + 1) + headroom,
+               len(req.prompt_ids) + req.max_new_tokens + headroom, self.capacity)
 
-  def _grow(self) -> None:
-    """Gives every running row the pages it may write into in the next segment, oldest first, preempting
-    the youngest when the pool runs out; then the device reads the new page table."""
+  def _grow(self, rounds: int) -> None:
+    """Gives every running row the pages it may write into by the end of a next segment of `rounds` (and of
+    the segments set going whose tokens are unread), oldest first, preempting the youngest when the pool
+    runs out; then the device reads the new page table."""
     if self.page_table is None:
       return
     holders = lambda: {**{b: r for b, r in enumerate(self._running) if r is not None},
                        **{b: run for b, (run, _) in self._prefilling.items()}}
     for _, b in sorted((r.admitted, b) for b, r in enumerate(self._running) if r is not None):
       run = self._running[b]
-      while run is not None and not self.page_table.grow(b, self._written(run.request, run.sent)):
+      while run is not None and not self.page_table.grow(b, self._written(run.request, run.sent,
+                                                                          run.unread_rounds + rounds)):
         self._preempt(max((r.admitted, v) for v, r in holders().items())[1])
         run = self._running[b]
     if self.page_table.changed:

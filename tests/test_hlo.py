@@ -87,8 +87,8 @@ def test_segments_update_the_donated_state_in_place():
   decoder, requests = _decoder_and_requests(batch, "model", capacity)
   state = programs.start(decoder, requests)
   for width in (batch, 2):  # the whole batch, and the narrower program a few busy rows run
-    segment = as_users_compile(programs.resume_rows.lower(decoder, state, jnp.int32(8), jnp.asarray(True),
-                                                          jnp.zeros(batch, bool), width=width))
+    segment = as_users_compile(programs.segment.lower(decoder, state, jnp.int32(8), jnp.asarray(True),
+                                                      jnp.zeros(batch, bool), width=width))
     for config in (CONFIG, DRAFT):
       assert testing.loop_cache_copies(segment, width * config.n_kv_heads * capacity * config.head_dim) == []
   one = jax.tree.map(lambda x: x[:1], requests)

@@ -82,8 +82,8 @@ def test_the_loop_holds_no_copy_of_the_pool(pair, kind):
   as_users_compile = lambda lowered: lowered.compile(compiler_options=testing.AS_USERS_COMPILE).as_text()
   state = programs.start(decoder, requests)
   texts = [as_users_compile(programs.lower(decoder, requests))] + [
-      as_users_compile(programs.resume_rows.lower(decoder, state, jnp.int32(8), jnp.asarray(True),
-                                                  jnp.zeros(len(PROMPTS), bool), width=width)) for width in (3, 1)]
+      as_users_compile(programs.segment.lower(decoder, state, jnp.int32(8), jnp.asarray(True),
+                                              jnp.zeros(len(PROMPTS), bool), width=width)) for width in (3, 1)]
   for config in [decoder.target_config] + ([decoder.drafter.config] if kind == "model" else []):
     pool = requests.pages * config.n_kv_heads * kvcache.PAGE_SIZE * config.head_dim
     for text in texts:

@@ -60,7 +60,7 @@ def test_requests_that_arrive_while_others_decode_get_their_tokens_alone(pair, e
 def test_aborted_requests_end_and_free_their_slots(pair, engine):
   for i in range(3):
     engine.add(Request([3 + i] * 4, 60), i)
-  first = engine.step()  # 0 and 1 run, 2 waits
+  first = engine.step() + engine.step()  # 0 and 1 run, 2 waits; a step returns the segment before its own
   assert {d.index for d in first} == {0, 1} and engine.num_waiting == 1
   engine.abort(0)
   engine.abort(2)
@@ -120,3 +120,33 @@ def test_no_retrace_across_requests_and_refusals_before_queueing(pair, engine):
     with pytest.raises(ValueError, match=message):
       engine.add(bad)
   assert engine.num_waiting == 0
+
+
+def test_a_young_stream_runs_short_segments_unless_requests_wait(pair, engine):
+  """Segments of `stream_rounds` while a streamed request has emitted fewer than YOUNG_TOKENS and none
+  waits; `segment_rounds` for batch work and once requests wait for a slot. The tokens are those alone."""
+  engine.stream_rounds, engine.segment_rounds = 1, 3
+  try:
+    rounds = []
+
+    def run():
+      out = {}
+      while engine.has_work:
+        for d in engine.step():
+          out.setdefault(d.index, []).extend(d.token_ids)
+        rounds.append(engine._unread[-1].rounds if engine._unread else None)
+      return out
+
+    engine.add(Request([5, 6], 12, stream=True), "s")
+    assert run()["s"] == alone(pair, [5, 6], 12) and set(rounds) - {None} == {1}
+    rounds.clear()
+    engine.add(Request([5, 6], 12), "b")
+    run()
+    assert set(rounds) - {None} == {3}
+    rounds.clear()
+    for i in range(3):  # two slots: the third waits while the first two run
+      engine.add(Request([7, i], 12, stream=True), i)
+    out = run()
+    assert rounds[0] == 3 and 1 in rounds and out[2] == alone(pair, [7, 2], 12)
+  finally:
+    engine.stream_rounds, engine.segment_rounds = 2, 2

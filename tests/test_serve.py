@@ -30,7 +30,7 @@ PROMPTS = ["def parse_args(", "import os\n", "class Config:\n    def __init__(se
 @pytest.fixture(scope="module")
 def server():
   proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
-                    "--segment-rounds", "4", "--batch-size", "2", "--draft-len", "2", "--no-calibrate")
+                    "--batch-size", "2", "--draft-len", "2", "--no-calibrate")
   yield proc, url
   stop(proc)
 
@@ -86,7 +86,8 @@ def test_streamed_pieces_join_to_the_same_text_with_usage_last(server, client, t
   chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
                                           stream=True, stream_options={"include_usage": True}))
   pieces = [c.choices[0].text for c in chunks if c.choices]
-  assert "".join(pieces) == text and len(pieces) > 1 and "\ufffd" not in "".join(pieces)
+  # segments of 2 rounds while a stream is young: at most 6 tokens a chunk with K = 2
+  assert "".join(pieces) == text and len(pieces) >= 4 and "\ufffd" not in "".join(pieces)
   assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
   assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
   assert "speculative_decoding" in chunks[-2].model_extra  # the finishing chunk

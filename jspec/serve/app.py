@@ -94,7 +94,7 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
   def engine_request(body, prompt_ids: list[int], max_tokens: int, seed: int) -> Request:
     try:
       return Request(prompt_ids, max_tokens, body.sampling(), seed, body.stops, body.stop_token_ids or (),
-                     body.ignore_eos, body.speculate, body.constraint())
+                     body.ignore_eos, body.speculate, body.constraint(), body.stream)
     except ValueError as e:
       raise APIError(400, str(e)) from None
 

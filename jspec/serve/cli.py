@@ -12,7 +12,7 @@ import signal
 import jspec
 from jspec import flags
 from jspec.pages import pages_for
-from jspec.scheduler import SEGMENT_ROUNDS
+from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS
 
 EXAMPLES = """examples:
   python -m jspec.serve
@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
                  help="requests that may wait for a slot; past it, requests get 503 and Retry-After")
   g.add_argument("--segment-rounds", type=int, default=SEGMENT_ROUNDS, metavar="R",
                  help="rounds per engine step: new requests, aborts and streamed text between steps")
+  g.add_argument("--stream-rounds", type=int, default=STREAM_ROUNDS, metavar="R",
+                 help="rounds per engine step while a streamed request's first tokens decode and no request "
+                      "waits for a slot: its text comes soon and in small chunks")
   flags.add_speculation_args(p)
   flags.add_runtime_args(p)
   return p
@@ -64,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> None:
   if not 0 <= args.port < 65536:
     raise ValueError(f"--port must be in [0, 65536), got {args.port}")
-  for name in ("batch_size", "max_queue", "segment_rounds", "max_total_tokens"):
+  for name in ("batch_size", "max_queue", "segment_rounds", "stream_rounds", "max_total_tokens"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if args.max_prefill_tokens < 0:
@@ -108,7 +111,8 @@ def build(args: argparse.Namespace):
   spec = flags.speculation(args)
   target, models = flags.load_models(args, spec)
   make = lambda: jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
-                                   segment_rounds=args.segment_rounds, memory_fraction=args.memory_fraction,
+                                   segment_rounds=args.segment_rounds, stream_rounds=args.stream_rounds,
+                                   memory_fraction=args.memory_fraction,
                                    pages=args.max_total_tokens and pages_for(args.max_total_tokens),
                                    prefix_caching=not args.no_prefix_caching,
                                    max_prefill_tokens=args.max_prefill_tokens or None, **models)
