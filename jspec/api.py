@@ -240,5 +240,5 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
   if mesh is not None:
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
   return Engine(decoder, target.tokenizer, slots=slots, max_len=max_len, segment_rounds=segment_rounds,
-                stream_rounds=stream_rounds, memory_fraction=memory_fraction, pages=pages, prefix_caching=prefix_caching,
-                max_prefill_tokens=max_prefill_tokens)
+                stream_rounds=stream_rounds, memory_fraction=memory_fraction, pages=pages,
+                prefix_caching=prefix_caching, max_prefill_tokens=max_prefill_tokens)
