@@ -30,7 +30,7 @@ PROMPTS = ["def parse_args(", "import os\n", "class Config:\n    def __init__(se
 @pytest.fixture(scope="module")
 def server():
   proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
-                    "--batch-size", "2", "--draft-len", "2", "--no-calibrate")
+                    "--segment-rounds", "4", "--batch-size", "2", "--draft-len", "2", "--no-calibrate")
   yield proc, url
   stop(proc)
 
