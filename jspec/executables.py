@@ -48,7 +48,7 @@ def path(cache_dir: str, name: str, args: tuple, static: dict[str, Any]) -> Path
 
 
 def load(file: Path) -> Any | None:
-  """The executable stored in `file`, or None if there is none (or it cannot be loaded)."""
+  """The executable stored in `file`, or None if there is none (or it cannot be loaded: then it is removed)."""
   try:
     payload, in_tree, out_tree = pickle.loads(file.read_bytes())
     return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
@@ -56,6 +56,7 @@ def load(file: Path) -> Any | None:
     return None
   except Exception as error:  # noqa: BLE001 - a stale or partial file: compile instead
     log.debug("cannot load %s (%s); compiling", file, error)
+    file.unlink(missing_ok=True)
     return None
 
 

@@ -101,7 +101,7 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, **static: Any)
   if executable is None:
     executable = lowering().compile()
     loaded = _cache_hits[0] > hits
-    if stored:
+    if stored and not loaded:  # one JAX's cache loaded would not run again once serialized (XLA:CPU)
       executables.store(stored, executable)
   _compiled[key] = executable
   seconds = time.perf_counter() - begin
