@@ -8,10 +8,11 @@ time can be reported apart from decode time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -99,9 +100,12 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, **static: Any)
   executable = executables.load(stored) if stored else None
   loaded = executable is not None
   if executable is None:
-    executable = lowering().compile()
+    # XLA:CPU's executable that JAX's cache loaded fails to run once serialized again: what jspec stores
+    # itself is compiled afresh.
+    with _jax_cache(not stored):
+      executable = lowering().compile()
     loaded = _cache_hits[0] > hits
-    if stored and not loaded:  # one JAX's cache loaded would not run again once serialized (XLA:CPU)
+    if stored and not loaded:
       executables.store(stored, executable)
   _compiled[key] = executable
   seconds = time.perf_counter() - begin
@@ -109,6 +113,16 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, **static: Any)
     _compiled.popitem(last=False)
   log.info("%s the %s program in %.1f s", "loaded" if loaded else "compiled", name, seconds)
   return executable, seconds
+
+
+@contextlib.contextmanager
+def _jax_cache(on: bool) -> Iterator[None]:
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", on)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
 
 
 def use_compile_cache(directory: str) -> None:
