@@ -8,11 +8,12 @@ time can be reported apart from decode time.
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import gc
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -79,50 +80,43 @@ prefill_pages = jax.jit(prefill_pages, donate_argnames="state")
 # Most recently used executables. Bounded: each XLA executable holds memory mappings of its own.
 MAX_EXECUTABLES = 32
 _compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_lock = threading.Lock()
 
 
-def compiled(name: str, lowering: Callable[[], Any], args: tuple, **static: Any) -> tuple[Any, float]:
+def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = False,
+             **static: Any) -> tuple[Any, float]:
   """The executable `lowering()` compiles, cached by `name`, the static values and the argument shapes,
-  and the seconds spent compiling (or loading) it now (0 if cached in this process)."""
+  and the seconds spent compiling (or loading) it now (0 if cached in this process). Logged at INFO, at
+  DEBUG if `quiet`. Threads may call it at once."""
   key = (name, tuple(sorted(static.items())), jax.tree.structure(args),
          tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
-  if key in _compiled:
-    _compiled.move_to_end(key)
-    return _compiled[key], 0.0
+  with _lock:
+    if key in _compiled:
+      _compiled.move_to_end(key)
+      return _compiled[key], 0.0
+  say = functools.partial(log.log, logging.DEBUG if quiet else logging.INFO)
   cache_dir = jax.config.jax_compilation_cache_dir
   stored = executables.path(cache_dir, name, args, static) if cache_dir else None
   if stored and stored.exists():
-    log.info("loading the %s program", name)
+    say("loading the %s program", name)
   else:
-    log.info("compiling the %s program (the first run of a shape: up to a minute for adaptive speculation's "
+    say("compiling the %s program (the first run of a shape: up to a minute for adaptive speculation's "
              "branches)%s", name, f"; it is kept in {cache_dir} for later runs" if cache_dir else "")
   hits, begin = _cache_hits[0], time.perf_counter()
   executable = executables.load(stored) if stored else None
   loaded = executable is not None
   if executable is None:
-    # XLA:CPU's executable that JAX's cache loaded fails to run once serialized again: what jspec stores
-    # itself is compiled afresh.
-    with _jax_cache(not stored):
-      executable = lowering().compile()
+    executable = lowering().compile()
     loaded = _cache_hits[0] > hits
-    if stored and not loaded:
+    if stored and not loaded:  # XLA:CPU's executable from JAX's cache fails to run once serialized again
       executables.store(stored, executable)
-  _compiled[key] = executable
+  with _lock:
+    _compiled[key] = executable
+    if len(_compiled) > MAX_EXECUTABLES:
+      _compiled.popitem(last=False)
   seconds = time.perf_counter() - begin
-  if len(_compiled) > MAX_EXECUTABLES:
-    _compiled.popitem(last=False)
-  log.info("%s the %s program in %.1f s", "loaded" if loaded else "compiled", name, seconds)
+  say("%s the %s program in %.1f s", "loaded" if loaded else "compiled", name, seconds)
   return executable, seconds
-
-
-@contextlib.contextmanager
-def _jax_cache(on: bool) -> Iterator[None]:
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", on)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", before)
 
 
 def use_compile_cache(directory: str) -> None:

@@ -26,6 +26,7 @@ prefills only the rest (less the pages a drafter's cache cannot share: `Drafter.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -203,6 +204,10 @@ class Engine:
     self.last_prefill_seconds: list[float] = []  # the last step's prefills (one per request started)
     self.last_segment_seconds: float | None = None  # the last step's segment, with reading its tokens
     self._executables: dict = {}
+    self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # compile_in_background's
+    self._compiling: dict[tuple, concurrent.futures.Future] = {}
+    self.stalled = False  # the last step neither ran nor handed out anything
+    self.quiet = False  # True: compiles are logged at DEBUG (a server says its phases instead)
     self._lock = threading.Lock()
     # (id, request, its _Running when it waits again after a preemption)
     self._waiting: collections.deque[tuple[Hashable, Request, _Running | None]] = collections.deque()
@@ -289,11 +294,8 @@ class Engine:
     per prompt length (default: one per prompt bucket, each its own insert program, and its chunks'),
     run to the end. They neither look up nor leave cached prefixes (a prefix hit's narrower prefill
     compiles on first use)."""
-    if prompt_lens is None:
-      longest = request.prompt_bucket(self.max_len - 1)
-      prompt_lens = sorted({min(request.prompt_bucket(n), self.max_len - 1) for n in range(1, longest + 1)})
     caching, self.prefix_caching = self.prefix_caching, False
-    for n in prompt_lens:
+    for n in prompt_lens or self._prompt_lens():
       warm = Request([0] * n, 1, ignore_eos=True)
       if self.page_table is not None and pages_for(self._written(warm, 1)) > self.page_table.pages:
         continue  # a prompt the pool cannot hold: refused when it comes
@@ -303,6 +305,11 @@ class Engine:
     self.prefix_caching = caching
     for width in self.widths:
       self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), width=width)
+
+  def _prompt_lens(self) -> list[int]:
+    """A prompt length per prompt bucket."""
+    longest = request.prompt_bucket(self.max_len - 1)
+    return sorted({min(request.prompt_bucket(n), self.max_len - 1) for n in range(1, longest + 1)})
 
   # --- deltas out (one thread) ---
 
@@ -326,7 +333,9 @@ class Engine:
     running = any(r is not None for r in self._running)
     if running:
       self._dispatch()
-    return deltas + self._read(in_flight=int(running))
+    deltas += self._read(in_flight=int(running))
+    self.stalled = not (running or deltas)  # waiting on programs that compile in the background
+    return deltas
 
   def _rounds(self) -> int:
     """The next segment's rounds: `stream_rounds` while a young streamed request (fewer than `YOUNG_TOKENS`
@@ -341,8 +350,11 @@ class Engine:
     rounds = self._rounds()
     self._grow(rounds)
     busy = max(b for b, r in enumerate(self._running) if r is not None)
-    self._state, report = self._call("segment", programs.segment, *self._segment_args(rounds),
-                                     width=next(w for w in self.widths if w > busy))
+    args = self._segment_args(rounds)
+    fits = [w for w in self.widths if w > busy]  # the narrowest whose program is ready
+    width = next((w for w in fits if self._executable("segment", programs.segment, args, False, width=w) is not None),
+                 fits[-1])
+    self._state, report = self._call("segment", programs.segment, *args, width=width)
     self._retire_B[:] = False
     for run in self._running:
       if run is not None:
@@ -450,9 +462,8 @@ class Engine:
   def _admit(self) -> None:
     """Prefills waiting requests into free slots, first come first served."""
     self._fit_constraints()
-    if self._state is None and self._waiting:  # idle rows, ended by the first segment
-      idle = [Request([0], 1)] * self.slots
-      self._state = self._call("prefill", programs.start, self.decoder, self._requests(idle))
+    if self._state is None and self._waiting:
+      self._start()
     budget = self.max_prefill_tokens or math.inf
     pending = sum(len(run.request.prompt_ids) - done for run, done in self._prefilling.values())
     for b in range(self.slots):
@@ -484,27 +495,34 @@ class Engine:
       prompt = run.request.prompt_ids
       rest = len(prompt) - done
       if rest <= budget:
+        self._fit_constraints(run.tables)
+        args = self._insert_args(b, run.request, run.tables, done)
+        if self._executable("insert", programs.insert, args, wait=False) is None:
+          continue  # its program compiles in the background
         del self._prefilling[b]
-        self._insert(b, run, done)
+        self._insert(b, run, args)
         budget -= rest
         continue
       chunk = min(budget, rest - 2)
       chunk = chunk - chunk % kvcache.PAGE_SIZE if chunk >= kvcache.PAGE_SIZE else chunk
-      if chunk > 0:
+      args = (self.decoder, self._state, self._requests([run.request], [run.tables], b, done, int(chunk)))
+      if chunk > 0 and self._executable("chunk", programs.prefill_pages, args, wait=False) is not None:
         before = self.decode_seconds
-        self._state = self._call("chunk", programs.prefill_pages, self.decoder, self._state,
-                                 self._requests([run.request], [run.tables], b, done, int(chunk)))
+        self._state = self._call("chunk", programs.prefill_pages, *args)
         self._chunk_seconds[b] = self._chunk_seconds.get(b, 0.0) + self.decode_seconds - before
         self._prefilling[b][1] += int(chunk)
       return
 
-  def _insert(self, b: int, run: _Running, cached: int) -> None:
-    """Starts `run`'s request decoding in slot b, the first `cached` tokens of its prompt in its pages."""
-    req = run.request
-    self._fit_constraints(run.tables)
+  def _insert_args(self, b: int, req: Request, tables: constraints.Tables | None, cached: int) -> tuple:
+    """The insert program's arguments that start `req` in slot b, the first `cached` tokens of its prompt in
+    its pages."""
     width = request.prompt_bucket(len(req.prompt_ids) - cached) if cached else None
-    self._state = self._call("insert", programs.insert, self.decoder, self._state,
-                             self._requests([req], [run.tables], b, cached, width), np.int32(b))
+    return self.decoder, self._state, self._requests([req], [tables], b, cached, width), np.int32(b)
+
+  def _insert(self, b: int, run: _Running, args: tuple) -> None:
+    """Starts `run`'s request decoding in slot b (`_insert_args`)."""
+    req = run.request
+    self._state = self._call("insert", programs.insert, *args)
     self.last_prefill_seconds[-1] += self._chunk_seconds.pop(b, 0.0)
     self._running[b] = run
     self._retire_B[b] = False
@@ -570,17 +588,70 @@ class Engine:
     layout = self.decoder.layout
     return requests if layout is None else sharding.place(requests, layout.mesh)
 
-  def _executable(self, name: str, jitted, args: tuple, **static):
+  def _executable(self, name: str, jitted, args: tuple, wait: bool = True, **static):
     """`jitted`'s executable for these shapes. The engine keeps the executables it used: finding one in
     the engine's cache hashes every argument's shape and static field, which costs more than a segment's
-    call."""
+    call. With `wait` False while the engine compiles in the background (`compile_in_background`): None
+    if it is not ready yet, and it compiles there."""
     key = (name, (args[2].prompts_BxP.shape, args[2].prefill_width) if name in ("insert", "chunk") else None,
            self._constraint_shape, tuple(static.items()))
-    if key not in self._executables:
-      executable, seconds = programs.compiled(name, lambda: jitted.lower(*args, **static), args, **static)
+    if key in self._executables:
+      return self._executables[key]
+    with self._lock:
+      compiling = self._compiling.get(key)
+      if compiling is None and not wait and self._compiler is not None:
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                              if isinstance(x, jax.Array) else x, args)
+        self._compiling[key] = self._compiler.submit(self._compile, key, name, jitted, shapes, static)
+        return None
+    if compiling is not None:
+      if not wait and not compiling.done():
+        return None
+      compiling.result()
+    else:
+      self._compile(key, name, jitted, args, static)
+    return self._executables[key]
+
+  def _compile(self, key: tuple, name: str, jitted, args: tuple, static: dict) -> None:
+    executable, seconds = programs.compiled(name, lambda: jitted.lower(*args, **static), args, self.quiet,
+                                            **static)
+    with self._lock:
       self._executables[key] = executable
       self.compile_seconds += seconds
-    return self._executables[key]
+
+  def compile_in_background(self) -> list[concurrent.futures.Future]:
+    """From now on a program the engine has not compiled compiles on a thread of its own, and the requests
+    that need it wait while the others run: a segment runs at a wider width whose program is ready, and a
+    request whose prefill program is not waits in its slot. Starts with what `warm_up` compiles: every
+    segment width and a prefill per prompt bucket (returned: their futures). `prepare` first, which compiles
+    what any request needs."""
+    self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-compile")
+    for width in self.widths:
+      self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), False, width=width)
+    for n in self._prompt_lens():
+      warm = Request([0] * n, 1)
+      if self.page_table is None or pages_for(self._written(warm, 1)) <= self.page_table.pages:
+        self._executable("insert", programs.insert, self._insert_args(0, warm, None, 0), False)
+    with self._lock:
+      return list(self._compiling.values())
+
+  def prepare(self) -> int:
+    """Compiles (or loads) what every request needs: the idle rows' prefill and a segment over every row.
+    Returns the programs it compiled or loaded."""
+    before = len(self._executables)
+    if self._state is None:
+      self._start()
+    self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), width=self.slots)
+    return len(self._executables) - before
+
+  def _start(self) -> None:
+    """The state of idle rows (ended by the first segment)."""
+    self._state = self._call("prefill", programs.start, self.decoder, self._requests([Request([0], 1)] * self.slots))
+
+  @property
+  def compiling(self) -> int:
+    """Programs compiling in the background now."""
+    return sum(not f.done() for f in list(self._compiling.values()))
 
   def _call(self, name: str, jitted, *args, **static):
     """Runs `jitted` (through `_executable`)."""

@@ -100,16 +100,16 @@ def test_python_m_jspec_calibrate_measures_stores_and_is_used(tmp_path, capsys, 
 
 
 def test_the_server_calibrates_at_start_up_once(monkeypatch):
-  from jspec.serve import cli as serve_cli
+  from jspec.serve import startup
   target, draft = testing.random_pair()
   models = dict(draft=draft, spec=SpecConfig(drafter="model"), mesh=None)
   measured, figures = [], CostModel(0.2, **testing.measured_here())
   monkeypatch.setattr(calibration, "measure", lambda *a, **kw: measured.append((a[3], kw["draft_len"])) or figures)
-  assert serve_cli.calibrate(target, models, 4)  # at batch 1 and its slots, every K it may draft
+  assert startup.calibrate(target, models, 4)  # at batch 1 and its slots, every K it may draft
   assert measured == [([1, 4], SpecConfig().draft_len)] and costs.stored(target, draft, "model") == figures
-  serve_cli.calibrate(target, models, 4)  # kept: not measured again
+  startup.calibrate(target, models, 4)  # kept: not measured again
   assert len(measured) == 1
-  serve_cli.calibrate(target, dict(models, spec=SpecConfig(drafter="model", adaptive=None)), 4)  # fixed K
+  startup.calibrate(target, dict(models, spec=SpecConfig(drafter="model", adaptive=None)), 4)  # fixed K
   assert len(measured) == 1
 
 

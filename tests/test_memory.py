@@ -164,7 +164,8 @@ def test_the_cli_and_the_server_refuse_with_exit_status_2(tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.startswith("error: 300 rows of") and err.count("\n") == 1
   assert serve_cli.main(["--target", str(tmp_path / "long"), "--no-draft", "--batch-size", "300",
-                         "--max-model-len", "200000", "--no-compile-cache", "--max-total-tokens", "100000000"]) == 2
+                         "--max-model-len", "200000", "--no-compile-cache", "--max-total-tokens", "100000000",
+                         "--port", "0"]) == 2
   assert "error: 781250 KV pages of 128 tokens need" in capsys.readouterr().err
 
 

@@ -27,12 +27,22 @@ PROMPTS = ["def parse_args(", "import os\n", "class Config:\n    def __init__(se
            "# Read a file\nwith open(", "x = [", "def main():\n    ", "return "]
 
 
+STARTING = []  # /health's answers while the module's server started
+
+
 @pytest.fixture(scope="module")
 def server():
   proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
-                    "--segment-rounds", "4", "--batch-size", "2", "--draft-len", "2", "--no-calibrate")
+                    "--segment-rounds", "4", "--batch-size", "2", "--draft-len", "2", "--no-calibrate",
+                    starting=STARTING)
   yield proc, url
   stop(proc)
+
+
+def test_health_says_what_a_starting_server_does(server):
+  """It listens at once: 503 with the phase (and Retry-After) until it can serve."""
+  assert STARTING and all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in STARTING)
+  assert all(r.json()["error"]["message"].startswith("the server is starting: ") for r in STARTING)
 
 
 @pytest.fixture(scope="module")

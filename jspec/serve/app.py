@@ -24,6 +24,7 @@ from jspec.scheduler import Request
 from jspec.serve import protocol
 from jspec.serve.loop import EngineLoop
 from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jspec.serve.startup import Startup
 from jspec.tokenizer import encode
 
 DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when not given (OpenAI's default)
@@ -41,15 +42,17 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
   return (f"{param}: {first['msg']}" if param else first["msg"]), param
 
 
-def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
-  engine = loop.engine
+def create_app(startup: Startup) -> FastAPI:
+  """The app over the server that `startup` starts: until it can serve, `/health` and every `/v1` route
+  answer 503 with what it is doing."""
+  model_name = startup.metrics.model_name
   checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jspec-check")
 
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI):
-    loop.start()
     yield
-    loop.shutdown(SHUTDOWN_SECONDS)
+    if startup.loop is not None:
+      startup.loop.shutdown(SHUTDOWN_SECONDS)
     checker.shutdown(wait=False, cancel_futures=True)
 
   app = FastAPI(title="jspec", lifespan=lifespan)
@@ -72,20 +75,30 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
   async def server_error(_, e: Exception):
     return await api_error(None, APIError(500, f"internal error: {type(e).__name__}"))
 
+  def serving() -> tuple[EngineLoop, Model]:
+    """The engine loop and the target, or a 503 that says what the server is doing instead."""
+    loop = startup.loop
+    if loop is None:
+      raise APIError(503, startup.error and f"the server failed to start: {startup.error}" or
+                     f"the server is starting: {startup.phase}", headers={"Retry-After": "1"})
+    if loop.error is not None:
+      raise APIError(503, loop.error)
+    return loop, startup.target
+
   @app.get("/health")
   async def health() -> Response:
-    if loop.error is not None:
-      return JSONResponse(APIError(503, loop.error).body(), status_code=503)
+    serving()
     return Response(status_code=200)
 
   @app.get("/v1/models")
   async def models() -> dict:
+    loop, _ = serving()
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                        "owned_by": "jspec", "max_model_len": engine.max_len}]}
+                                        "owned_by": "jspec", "max_model_len": loop.engine.max_len}]}
 
   @app.get("/metrics")
   async def metrics() -> Response:
-    return Response(generate_latest(loop.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(startup.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
   def check_model(name: str) -> None:
     if name != model_name:
@@ -100,6 +113,7 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, http: HTTPRequest):
+    _, target = serving()
     check_model(body.model)
     seed = body.seed_value()
     requests = []
@@ -110,6 +124,7 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+    loop, target = serving()
     check_model(body.model)
     if target.chat_template is None:
       raise APIError(400, f"the model `{model_name}` has no chat template; use /v1/completions")
@@ -117,14 +132,16 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
       ids = encode(target.tokenizer, target.chat_template.render_messages([m.as_dict() for m in body.messages]))
     except ValueError as e:
       raise APIError(400, str(e), "messages") from None
-    room = engine.max_len - len(ids)
+    room = loop.engine.max_len - len(ids)
     if room < 1:
-      raise APIError(400, f"the conversation has {len(ids)} tokens; the model's context is {engine.max_len} "
+      raise APIError(400, f"the conversation has {len(ids)} tokens; the model's context is {loop.engine.max_len} "
                           "tokens", "messages")
     request = engine_request(body, ids, body.token_limit or room, body.seed_value())
     return await respond(body, [request], protocol.Response(True, model_name), http)
 
   async def respond(body, requests: list[Request], response: protocol.Response, http: HTTPRequest):
+    loop, _ = serving()
+    engine = loop.engine
     try:
       # A new constraint compiles for up to seconds: off the event loop, so other streams keep flowing.
       await asyncio.get_running_loop().run_in_executor(checker, lambda: [engine.check(r) for r in requests])
@@ -133,11 +150,12 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
       raise APIError(400, str(e)) from None
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
     if body.stream:
-      return StreamingResponse(stream(ids, queue, response, prompt_tokens, body.include_usage),
+      return StreamingResponse(stream(loop, ids, queue, response, prompt_tokens, body.include_usage),
                                media_type="text/event-stream")
-    return await whole(ids, queue, response, prompt_tokens, http)
+    return await whole(loop, ids, queue, response, prompt_tokens, http)
 
-  async def whole(ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int, http: HTTPRequest):
+  async def whole(loop: EngineLoop, ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int,
+                  http: HTTPRequest):
     texts, reasons, stats, tokens = [""] * len(ids), [None] * len(ids), [None] * len(ids), [0] * len(ids)
     left, checked = len(ids), time.monotonic()
     try:
@@ -161,7 +179,7 @@ def create_app(loop: EngineLoop, target: Model, model_name: str) -> FastAPI:
         loop.abort(ids)
     return response.body(texts, reasons, prompt_tokens, sum(tokens), [s for s in stats if s is not None])
 
-  async def stream(ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int,
+  async def stream(loop: EngineLoop, ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int,
                    include_usage: bool) -> AsyncIterator[str]:
     event = lambda obj: f"data: {json.dumps(obj)}\n\n"
     left, tokens, stats = len(ids), 0, []

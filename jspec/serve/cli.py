@@ -1,4 +1,5 @@
-"""`python -m jspec.serve`: load the models, compile, then serve HTTP until SIGTERM or Ctrl-C.
+"""`python -m jspec.serve`: listen at once, load the models and compile what every request needs
+(`jspec.serve.startup`), then serve HTTP until SIGTERM or Ctrl-C.
 
 The model, speculation, compilation and mesh flags are `python -m jspec.generate`'s. User errors (bad
 flags, models that do not load or pair): one line on stderr, exit 2. Parsing imports no JAX.
@@ -8,10 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import threading
 
 import jspec
 from jspec import flags
-from jspec.pages import pages_for
 from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS
 
 EXAMPLES = """examples:
@@ -79,65 +80,33 @@ def check(args: argparse.Namespace) -> None:
                      "devices)")
 
 
-def calibrate(target, models: dict, slots: int) -> bool:
-  """Measures the cost model adaptive speculation reads (at batch 1 and the slots), unless one is kept for
-  these models on these devices: as vLLM profiles memory at start-up. Meshes keep the figures they have.
-  True when it measured."""
-  from jspec import calibration, costs
-  from jspec.decoder import drafter_kind
-
-  spec, draft = models["spec"], models["draft"]
-  if spec is None or spec.adaptive is None or spec.tree is not None or models["mesh"] is not None:
-    return False
-  kind = spec.drafter or drafter_kind(draft)
-  if costs.stored(target, draft, kind) is not None:
-    return False
-  log.info("calibrating the %s drafter's cost model (once for these models on this device; --no-calibrate "
-           "skips)", kind)
-  costs.store(target, draft, kind, calibration.measure(target, draft, kind, sorted({1, slots}),
-                                                        draft_len=spec.draft_len))
-  return True
-
-
-def build(args: argparse.Namespace):
-  """The engine loop, the app and the model name, compiled and ready to serve."""
-  from jspec import programs
-  from jspec.serve.app import create_app
-  from jspec.serve.loop import EngineLoop
-  from jspec.serve.metrics import Metrics
-
-  if not args.no_compile_cache:
-    programs.use_compile_cache(args.compile_cache)
-  spec = flags.speculation(args)
-  target, models = flags.load_models(args, spec)
-  make = lambda: jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
-                                   segment_rounds=args.segment_rounds, stream_rounds=args.stream_rounds,
-                                   memory_fraction=args.memory_fraction,
-                                   pages=args.max_total_tokens and pages_for(args.max_total_tokens),
-                                   prefix_caching=not args.no_prefix_caching,
-                                   max_prefill_tokens=args.max_prefill_tokens or None, **models)
-  engine = make()  # what cannot fit is refused before anything is measured or compiled
-  if not args.no_calibrate and calibrate(target, models, engine.slots):
-    engine = make()  # with the figures just measured
-  log.info("compiling the serving programs (%d slots of %d tokens)", engine.slots, engine.max_len)
-  engine.warm_up()
-  name = args.served_model_name or args.target
-  loop = EngineLoop(engine, Metrics(name), args.max_queue)
-  return loop, create_app(loop, target, name), name
-
-
 @flags.command
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
   flags.show_status(True)
   check(args)
   import uvicorn  # here: --help answers without the server's imports
-  loop, app, name = build(args)
-  log.info("serving %s at http://%s:%d/v1", name, args.host, args.port)
+
+  from jspec import programs
+  from jspec.serve.app import create_app
+  from jspec.serve.metrics import Metrics
+  from jspec.serve.startup import Startup
+
+  if not args.no_compile_cache:
+    programs.use_compile_cache(args.compile_cache)
+  startup = Startup(args, Metrics(args.served_model_name or args.target), f"http://{args.host}:{args.port}")
   # uvicorn shuts down gracefully on SIGTERM and Ctrl-C, then raises the signal again for the handler it
   # found: these, so that a requested stop exits 0.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)
-  uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+  # log_config None: uvicorn's own would reconfigure logging, closing the handlers the process has.
+  server = uvicorn.Server(uvicorn.Config(create_app(startup), host=args.host, port=args.port, log_level="warning",
+                                         log_config=None, timeout_graceful_shutdown=5))
+  stop = lambda: setattr(server, "should_exit", True)
+  threading.Thread(target=startup.run, args=(stop,), name="jspec-startup", daemon=True).start()
+  log.info("listening at http://%s:%d (/health answers 503 until the server is ready)", args.host, args.port)
+  server.run()
+  if startup.error is not None:
+    return 2
   log.info("stopped")
   return 0

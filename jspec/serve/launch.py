@@ -18,9 +18,10 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start(*flags: str, timeout: float = 600) -> tuple[subprocess.Popen, str]:
+def start(*flags: str, timeout: float = 600, starting: list | None = None) -> tuple[subprocess.Popen, str]:
   """`python -m jspec.serve` with these flags on a free port of 127.0.0.1, once its /health answers 200:
-  the process and its base URL. Its output (status lines, errors) goes to the process's stdout pipe."""
+  the process and its base URL. Its output (status lines, errors) goes to the process's stdout pipe.
+  `starting` gets the answers /health gave before (responses)."""
   port = free_port()
   proc = subprocess.Popen([sys.executable, "-m", "jspec.serve", "--host", "127.0.0.1", "--port", str(port), *flags],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -30,8 +31,11 @@ def start(*flags: str, timeout: float = 600) -> tuple[subprocess.Popen, str]:
     if proc.poll() is not None:
       raise RuntimeError(f"the server exited with status {proc.returncode}:\n{proc.stdout.read()}")
     try:
-      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+      health = httpx.get(f"{url}/health", timeout=1)
+      if health.status_code == 200:
         return proc, url
+      if starting is not None:
+        starting.append(health)
     except httpx.TransportError:
       pass
     time.sleep(0.25)

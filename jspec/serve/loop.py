@@ -102,6 +102,9 @@ class EngineLoop:
           route.loop.call_soon_threadsafe(route.queue.put_nowait, (route.index, APIError(500, self.error)))
         self._routes.clear()
         return
+      if engine.stalled:  # its requests wait for programs that compile in the background
+        self._wake.wait(IDLE_WAIT)
+        self._wake.clear()
       for delta in deltas:
         self._deliver(delta)
       for seconds in engine.last_prefill_seconds:

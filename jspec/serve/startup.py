@@ -1,0 +1,96 @@
+"""The server's start, on a thread of its own while HTTP already answers (`/health`: 503 and the phase):
+load the models, compile what every request needs (`Engine.prepare`), serve; then compile the other
+programs in the background (`Engine.compile_in_background`) and, when no cost model is kept for these
+models on this device, measure one for the next start."""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+from tqdm import tqdm
+
+import jspec
+from jspec import flags
+from jspec.pages import pages_for
+from jspec.serve.loop import EngineLoop
+from jspec.serve.metrics import Metrics
+
+log = logging.getLogger("jspec")
+
+
+class Startup:
+  """What the server is doing until it can serve (`phase`), then its engine loop and target model."""
+
+  def __init__(self, args: argparse.Namespace, metrics: Metrics, url: str):
+    self.args, self.metrics, self.url = args, metrics, url
+    self.phase = "loading the models"
+    self.loop: EngineLoop | None = None
+    self.target = None
+    self.error: str | None = None  # why the start failed (a user error: the process exits 2)
+
+  def run(self, stop: Callable[[], None]) -> None:
+    """Starts the server (on its own thread); `stop` ends the HTTP server when the start fails."""
+    try:
+      self._start()
+    except ValueError as e:
+      self.error = str(e)
+      print(f"error: {e}", file=sys.stderr)
+      stop()
+    except Exception as e:  # noqa: BLE001 - the device or a file failed: say so, and stop serving
+      log.exception("the server failed to start")
+      self.error = f"{type(e).__name__}: {e}"
+      stop()
+
+  def _start(self) -> None:
+    args, begin = self.args, time.perf_counter()
+    log.info("loading the models")
+    spec = flags.speculation(args)
+    target, models = flags.load_models(args, spec)
+    engine = jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
+                               segment_rounds=args.segment_rounds, stream_rounds=args.stream_rounds,
+                               memory_fraction=args.memory_fraction,
+                               pages=args.max_total_tokens and pages_for(args.max_total_tokens),
+                               prefix_caching=not args.no_prefix_caching,
+                               max_prefill_tokens=args.max_prefill_tokens or None, **models)
+    engine.quiet = True
+    self.phase = "compiling the programs every request needs"
+    log.info("compiling the programs every request needs (%d slots of %d tokens)", engine.slots, engine.max_len)
+    engine.prepare()
+    self.target, self.loop = target, EngineLoop(engine, self.metrics, args.max_queue)
+    self.loop.start()
+    self.phase = "ready"
+    log.info("ready in %.1f s: serving %s at %s/v1", time.perf_counter() - begin, self.metrics.model_name, self.url)
+    compiling = engine.compile_in_background()
+    bar = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program", file=sys.stderr,
+               desc="compiling the other programs in the background", disable=not compiling)
+    for future in bar:
+      future.result()
+    bar.close()
+    if not args.no_calibrate and calibrate(target, models, engine.slots):
+      log.info("calibrated: the next start uses the measured cost model")
+
+
+
+def calibrate(target, models: dict, slots: int) -> bool:
+  """Measures the cost model adaptive speculation reads (at batch 1 and the slots) when none is kept for
+  these models on this device, as vLLM profiles at start-up, and keeps it: it applies from the next start
+  (the running programs were compiled with the checkpoint's or neutral figures). Meshes keep the figures
+  they have. True when it measured."""
+  from jspec import calibration, costs
+  from jspec.decoder import drafter_kind
+
+  spec, draft = models["spec"], models["draft"]
+  if spec is None or spec.adaptive is None or spec.tree is not None or models["mesh"] is not None:
+    return False
+  kind = spec.drafter or drafter_kind(draft)
+  if costs.stored(target, draft, kind) is not None:
+    return False
+  log.info("calibrating the %s drafter's cost model while serving (kept for the next start; until then the "
+           "checkpoint's or neutral figures; --no-calibrate skips)", kind)
+  costs.store(target, draft, kind, calibration.measure(target, draft, kind, sorted({1, slots}),
+                                                        draft_len=spec.draft_len))
+  return True
