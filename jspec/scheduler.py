@@ -5,15 +5,21 @@ rounds are accepted, and can be aborted. `jspec.stream`, the CLI's continuous ba
 The batch has a fixed number of rows (slots) and a fixed capacity (tokens a row may hold), set when the
 engine starts, so nothing compiles per request. An online engine runs each segment over the first 1, 2, 4,
 ... rows that hold every busy one (`jspec.rows.run_rows`): an idle row would still cost its share of
-every forward. The
-decode loop runs in segments (`jspec.decode.run` with `max_rounds`), each one executable call that keeps
-the whole loop on the device; between segments the host (`Engine.step`) ends aborted rows, prefills
-waiting requests into free slots (`jspec.rows.insert`: their cache rows, drafter state, sampling values,
-stop tokens and seed), runs the next segment, and reads the new tokens of every row as text deltas. First
-come, first served. A segment ends early when a row finishes while requests wait, so a free slot does not
-idle. A request's tokens depend only on its own row, so they are those it would get decoded alone (with a
-fixed K; adaptive K is chosen for the whole batch, which changes which tokens a sampled row draws, never
-their distribution).
+every forward. The decode loop runs in segments (`jspec.decode.run` with `max_rounds`), each one
+executable call that keeps the whole loop on the device; each host visit (`Engine.step`) ends aborted
+rows, prefills waiting requests into free slots (`jspec.rows.insert`: their cache rows, drafter state,
+sampling values, stop tokens and seed), sets the next segment going and, while the device runs it, reads
+the previous segment's new tokens of every row as text deltas: the host's work overlaps the device's, and
+what it learns (a row done, a stop string) acts one segment later. A segment runs `segment_rounds` rounds,
+or `stream_rounds` while a young streamed request runs and none waits, so text reaches a watcher soon and
+in small chunks. First come, first served. A segment ends early when a row finishes while requests wait,
+so a free slot does not idle. A request's tokens depend only on its own row, so they are those it would
+get decoded alone (with a fixed K; adaptive K is chosen for the whole batch, which changes which tokens a
+sampled row draws, never their distribution).
+
+A server compiles in the background (`prepare`, then `compile_in_background`): it serves as soon as the
+idle prefill and a segment over every row are ready, and a request whose program is still compiling waits
+while the others run.
 
 Off a mesh the caches are paged (`jspec.cache`, `jspec.pages`): a pool of pages that the memory budget sizes,
 shared by the slots. A request is admitted when pages for its prompt and a segment's tokens are free; before
@@ -619,13 +625,15 @@ class Engine:
       self._executables[key] = executable
       self.compile_seconds += seconds
 
-  def compile_in_background(self) -> list[concurrent.futures.Future]:
+  def compile_in_background(self, ahead: bool = True) -> list[concurrent.futures.Future]:
     """From now on a program the engine has not compiled compiles on a thread of its own, and the requests
     that need it wait while the others run: a segment runs at a wider width whose program is ready, and a
     request whose prefill program is not waits in its slot. Starts with what `warm_up` compiles: every
-    segment width and a prefill per prompt bucket (returned: their futures). `prepare` first, which compiles
-    what any request needs."""
+    segment width and a prefill per prompt bucket (returned: their futures), unless not `ahead`. `prepare`
+    first, which compiles what any request needs."""
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-compile")
+    if not ahead:
+      return []
     for width in self.widths:
       self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), False, width=width)
     for n in self._prompt_lens():

@@ -7,6 +7,8 @@ import json
 import random
 import re
 import signal
+import ssl
+import subprocess
 import time
 
 import httpx
@@ -34,7 +36,7 @@ STARTING = []  # /health's answers while the module's server started
 def server():
   proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
                     "--segment-rounds", "4", "--batch-size", "2", "--draft-len", "2", "--no-calibrate",
-                    starting=STARTING)
+                    "--lazy-compile", starting=STARTING)
   yield proc, url
   stop(proc)
 
@@ -61,8 +63,8 @@ def greedy(target, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
   return tokenizer.detokenize(target.tokenizer, ids), ids
 
 
-def metric(url: str, name: str) -> float:
-  text = httpx.get(f"{url}/metrics").text
+def metric(url: str, name: str, http=httpx) -> float:
+  text = http.get(f"{url}/metrics").text
   return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
@@ -112,6 +114,11 @@ def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(server, clien
   stop = text[10:13]
   out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop])
   assert out.choices[0].text == text[:text.index(stop)] and out.choices[0].finish_reason == "stop"
+  # n choices of one prompt: choice j is what seed + j draws alone, and the prompt counts once.
+  several = client.completions.create(seed=7, n=3, extra_body={"top_k": 20}, **kw)
+  assert [c.text for c in sorted(several.choices, key=lambda c: c.index)][:2] == [
+      a, client.completions.create(seed=8, extra_body={"top_k": 20}, **kw).choices[0].text]
+  assert several.usage.prompt_tokens == client.completions.create(seed=7, **kw).usage.prompt_tokens
   plain = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0,
                                     extra_body={"speculate": False, "ignore_eos": True})
   assert plain.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
@@ -129,7 +136,9 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "stop": "a" * 257}, 400, None),
     ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, None),
     ({"model": MODEL, "prompt": "x", "seed": 2 ** 70}, 400, "seed"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
@@ -214,9 +223,12 @@ def test_a_client_that_leaves_before_a_whole_response_frees_its_slot(server):
   url = server[1]
   aborted = lambda: metric(url, 'jspec:request_success_total{finished_reason="abort",model_name="code-small"}')
   before = aborted()
-  body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 120, "ignore_eos": True}
+  body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 120, "ignore_eos": True, "speculate": False}
   with pytest.raises(httpx.TimeoutException):
     httpx.post(f"{url}/v1/completions", json=body, timeout=0.2)
+  deadline = time.monotonic() + 10
+  while aborted() == before and time.monotonic() < deadline:
+    time.sleep(0.05)
   wait_idle(url)
   assert aborted() == before + 1
 
@@ -302,16 +314,29 @@ def test_sigterm_exits_0_within_the_timeout(server):
   assert time.monotonic() - begin < 10
 
 
-def test_chat_completions_through_a_model_with_a_template(tmp_path):
+def test_chat_completions_through_a_model_with_a_template_behind_a_key_over_tls(tmp_path):
+  """Also: every /v1 route needs the API key (/health and /metrics do not), over HTTPS."""
   model = testing.random_model(testing.TINY)
   template = tokenizer.ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                                     "{% if add_generation_prompt %}<assistant>{% endif %}")
   model = dataclasses.replace(model, chat_template=template)
   jspec.save(model, tmp_path / "chat")
+  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                  "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert], check=True,
+                 capture_output=True)
   proc, url = start("--target", str(tmp_path / "chat"), "--drafter", "ngram", "--no-adaptive", "--batch-size", "1",
-                           "--max-model-len", "128", "--served-model-name", "tiny", "--max-total-tokens", "128")
+                    "--max-model-len", "128", "--served-model-name", "tiny", "--max-total-tokens", "128",
+                    "--api-key", "s3cret", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--lazy-compile",
+                    tls=str(cert))
   try:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    assert url.startswith("https://")
+    tls = httpx.Client(verify=ssl.create_default_context(cafile=cert))
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+      openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, http_client=tls).models.list()
+    assert tls.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+    assert tls.get(f"{url}/metrics").status_code == tls.get(f"{url}/health").status_code == 200
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, http_client=tls)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
     prompt = template.render_messages(messages)
@@ -328,8 +353,10 @@ def test_chat_completions_through_a_model_with_a_template(tmp_path):
                                            response_format=fmt)
       assert isinstance(json.loads(out.choices[0].message.content), dict)
     # A pool of one page: a request whose row needs two is refused in one line, and the pool is whole again.
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [1] * 10, "max_tokens": 118})
+    r = tls.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [1] * 10, "max_tokens": 118},
+                 headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
-    assert metric(url, "jspec:kv_cache_free_pages") == 1 and metric(url, "jspec:kv_cache_usage_perc") == 0
+    free = lambda name: metric(url, name, tls)
+    assert free("jspec:kv_cache_free_pages") == 1 and free("jspec:kv_cache_usage_perc") == 0
   finally:
     stop(proc)

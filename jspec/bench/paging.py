@@ -69,7 +69,7 @@ def capacity(target, draft, kind: str, slot_rows: int, requests: int, max_len: i
 
 
 def shared_prefix(target, draft, kind: str, system_tokens: int, requests: int, max_len: int) -> dict:
-  """One request at a time, each a `system_tokens` system prompt and a question of its own: the first
+  """One streamed request at a time, each a `system_tokens` system prompt and a question of its own: the first
   prefills it all, the later ones only what follows the cached pages. Times to first token, from a second
   pass with another system prompt (the first compiles the shapes)."""
   text = _heldout_tokens(target, 2 * system_tokens + 64 * requests, 1)
@@ -80,7 +80,7 @@ def shared_prefix(target, draft, kind: str, system_tokens: int, requests: int, m
     for i in range(requests):
       question = text[2 * system_tokens + 64 * i:2 * system_tokens + 64 * (i + 1)]
       begin, first, spent = time.perf_counter(), None, 0.0
-      engine.add(Request(system + question, 16, ignore_eos=True), (attempt, i))
+      engine.add(Request(system + question, 16, ignore_eos=True, stream=True), (attempt, i))
       while engine.has_work:
         deltas = engine.step()
         spent += sum(engine.last_prefill_seconds)
@@ -106,7 +106,7 @@ def long_prompt_stall(target, draft, kind: str, streams: int, prompt_tokens: int
   for attempt in range(2):  # the first compiles the shapes
     for i in range(streams):
       question = text[2 * prompt_tokens + 64 * i:2 * prompt_tokens + 64 * (i + 1)]
-      engine.add(Request(question, max_len - 128, ignore_eos=True), (attempt, i))
+      engine.add(Request(question, max_len - 128, ignore_eos=True, stream=True), (attempt, i))
     for _ in range(3):
       engine.step()
     engine.add(Request(text[attempt * prompt_tokens:(attempt + 1) * prompt_tokens], 16, ignore_eos=True),

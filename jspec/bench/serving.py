@@ -10,6 +10,7 @@ import math
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import httpx
@@ -32,19 +33,23 @@ async def _one(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
   body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
           "stream": True, "stream_options": {"include_usage": True}}
   begin = time.perf_counter()
-  first, tokens = None, 0
+  arrivals, tokens = [], 0  # (seconds since the request, characters so far) of each chunk with text
   async with http.stream("POST", "/v1/completions", json=body) as r:
     r.raise_for_status()
     async for line in r.aiter_lines():
       if not line.startswith("data: ") or line == "data: [DONE]":
         continue
       chunk = json.loads(line[6:])
-      if chunk["choices"] and chunk["choices"][0]["text"] and first is None:
-        first = time.perf_counter() - begin
+      if chunk["choices"] and chunk["choices"][0]["text"]:
+        arrivals.append((time.perf_counter() - begin, (arrivals[-1][1] if arrivals else 0) +
+                         len(chunk["choices"][0]["text"])))
       if chunk.get("usage"):
         tokens = chunk["usage"]["completion_tokens"]
   e2e = time.perf_counter() - begin
-  return {"ttft": first, "e2e": e2e, "tokens": tokens, "tpot": (e2e - first) / (tokens - 1) if tokens > 1 else None}
+  first = arrivals[0][0] if arrivals else None
+  return {"ttft": first, "e2e": e2e, "tokens": tokens, "tpot": (e2e - first) / (tokens - 1) if tokens > 1 else None,
+          "chunks": len(arrivals), "gaps": [b[0] - a[0] for a, b in zip(arrivals, arrivals[1:])],
+          "arrivals": arrivals}
 
 
 async def _load(url: str, jobs: list[tuple[str, int]], rate: float | None, seed: int) -> dict:
@@ -64,7 +69,11 @@ async def _load(url: str, jobs: list[tuple[str, int]], rate: float | None, seed:
     wall = time.perf_counter() - begin
   pct = lambda key, q: float(np.percentile([r[key] for r in results if r[key] is not None], q))
   out = {f"{key}_{name}": pct(key, q) for key in ("ttft", "tpot", "e2e") for name, q in (("p50", 50), ("p99", 99))}
-  return {**out, "output_tokens_per_second": sum(r["tokens"] for r in results) / wall, "wall_seconds": wall}
+  gaps = [g for r in results for g in r["gaps"]] or [0.0]
+  return {**out, "output_tokens_per_second": sum(r["tokens"] for r in results) / wall, "wall_seconds": wall,
+          "chunks_per_request": statistics.mean(r["chunks"] for r in results),
+          "gap_p50": float(np.percentile(gaps, 50)), "gap_p99": float(np.percentile(gaps, 99)),
+          "first_stream": results[0]["arrivals"]}
 
 
 def _metric(url: str, name: str) -> float:
@@ -87,6 +96,7 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
                   segment_rounds: int | None = None) -> dict:
   """Both servers under each load, in turn (the order alternating), `repeats` times; medians."""
   extra = ["--batch-size", str(batch_size)] + (["--segment-rounds", str(segment_rounds)] if segment_rounds else [])
+  startup = _startup(models, drafter, extra)
   servers = {}
   try:
     for name, kind in (("speculative", drafter), ("plain", None)):
@@ -103,7 +113,8 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
           runs[name].append(asyncio.run(_load(servers[name][1], jobs, rate, seed=r)))
       row = {"load": label, "rate": None if rate is None else rate, "requests": count}
       for name, results in runs.items():
-        row[name] = {k: statistics.median(x[k] for x in results) for k in results[0]}
+        row[name] = {k: statistics.median(x[k] for x in results) for k in results[0] if k != "first_stream"}
+        row[name]["first_stream"] = results[0]["first_stream"]
       row["throughput_ratio"] = row["speculative"]["output_tokens_per_second"] / \
           row["plain"]["output_tokens_per_second"]
       rows.append(row)
@@ -117,7 +128,7 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
       stop(proc)
   one = rows[0]["speculative"]
   result = {"drafter": drafter, "batch_size": batch_size, "output_lens": list(output_lens), "rows": rows,
-            "mean_prefill_seconds": prefill, "mean_segment_seconds": segment,
+            "mean_prefill_seconds": prefill, "mean_segment_seconds": segment, "startup": startup,
             "goals": {"one_at_a_time_ratio": rows[0]["throughput_ratio"], "one_at_a_time_goal": 1.5,
                       "saturation_ratio": rows[-1]["throughput_ratio"], "saturation_goal": 0.95,
                       "ttft_p50_one_at_a_time": one["ttft_p50"], "ttft_bound": prefill + segment}}
@@ -127,17 +138,37 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
   return result
 
 
+def _startup(models: Models, drafter: str, extra: list[str]) -> dict:
+  """Seconds from launch to a ready `/health` of the speculative server: a first start with an empty compile
+  cache (then stopped: the programs it compiles in the background are not kept), and a second with what it
+  kept; and until `/health` first answered at all."""
+  out = {}
+  with tempfile.TemporaryDirectory() as cache:
+    for name in ("first", "second"):
+      begin, answered = time.perf_counter(), []
+      proc, _ = start(*_server_flags(models, drafter), *extra, "--compile-cache", cache, starting=answered)
+      out[f"{name}_ready_seconds"] = time.perf_counter() - begin
+      stop(proc)
+      print(f"{name} start: ready in {out[f'{name}_ready_seconds']:.1f} s", file=sys.stderr)
+  return out
+
+
 def markdown(result: dict) -> str:
   lines = ["| load | requests | output tok/s spec | plain | ratio | TTFT p50 / p99 spec (s) | plain | "
-           "TPOT p50 spec (ms) | plain | E2E p50 / p99 spec (s) | plain |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "chunks per request spec | plain | gap p50 / p99 spec (ms) | plain | E2E p50 / p99 spec (s) | plain |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
     s, p = r["speculative"], r["plain"]
     lines.append(f"| {r['load']} | {r['requests']} | {s['output_tokens_per_second']:.0f} | "
                  f"{p['output_tokens_per_second']:.0f} | {r['throughput_ratio']:.2f}x | "
                  f"{s['ttft_p50']:.3f} / {s['ttft_p99']:.3f} | {p['ttft_p50']:.3f} / {p['ttft_p99']:.3f} | "
-                 f"{1e3 * s['tpot_p50']:.1f} | {1e3 * p['tpot_p50']:.1f} | {s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | "
+                 f"{s['chunks_per_request']:.1f} | {p['chunks_per_request']:.1f} | "
+                 f"{1e3 * s['gap_p50']:.0f} / {1e3 * s['gap_p99']:.0f} | {1e3 * p['gap_p50']:.0f} / "
+                 f"{1e3 * p['gap_p99']:.0f} | {s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | "
                  f"{p['e2e_p50']:.2f} / {p['e2e_p99']:.2f} |")
+  up = result["startup"]
+  lines += ["", f"Start to ready (speculative server, empty compile cache): first {up['first_ready_seconds']:.1f} s, "
+                f"second {up['second_ready_seconds']:.1f} s."]
   return "\n".join(lines) + "\n"
 
 
@@ -148,11 +179,18 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
   rows = result["rows"]
   labels = [r["load"] for r in rows]
-  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+  fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
   for name in ("speculative", "plain"):
     a.plot(labels, [r[name]["output_tokens_per_second"] for r in rows], marker="o", label=name)
     b.plot(labels, [r[name]["ttft_p50"] for r in rows], marker="o", label=f"{name} TTFT p50")
     b.plot(labels, [r[name]["e2e_p50"] for r in rows], marker="s", linestyle="--", label=f"{name} E2E p50")
+  for name in ("speculative", "plain"):  # one request's stream, alone
+    times, chars = zip(*rows[0][name]["first_stream"])
+    c.step([0, *times], [0, *chars], where="post", marker=".", label=name)
+  c.set_xlabel("seconds since the request")
+  c.set_ylabel("characters received")
+  c.set_title("one streamed request, alone")
+  c.legend()
   a.set_ylabel("output tokens/s")
   b.set_ylabel("seconds")
   b.set_yscale("log")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from jspec.serve.startup import Startup
 from jspec.tokenizer import encode
 
 DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when not given (OpenAI's default)
+MAX_BODY_BYTES = 4 << 20  # a /v1 request's body
 DISCONNECT_POLL = 0.1  # seconds between checks that a client waiting for a whole response is still there
 SHUTDOWN_SECONDS = 5.0
 CHECK_THREADS = 4  # threads that check requests (a new constraint compiles there, off the event loop)
@@ -42,9 +44,34 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
   return (f"{param}: {first['msg']}" if param else first["msg"]), param
 
 
-def create_app(startup: Startup) -> FastAPI:
+class _Guard:
+  """Checks a `/v1` request before it is read: its API key, if the server has one (constant time), and its
+  body's declared size. A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would hide a client's
+  disconnect from the route, which aborts its request on it."""
+
+  def __init__(self, app, api_key: str | None):
+    self.app, self.api_key = app, api_key
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["path"].startswith("/v1"):
+      headers = dict(scope["headers"])
+      size = headers.get(b"content-length", b"0").decode("latin-1")
+      error = None
+      if self.api_key is not None and not secrets.compare_digest(headers.get(b"authorization", b""),
+                                                                  f"Bearer {self.api_key}".encode()):
+        error = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+      elif not size.isdigit() or int(size) > MAX_BODY_BYTES:
+        error = APIError(413, f"the request body has {size} bytes; at most {MAX_BODY_BYTES}")
+      if error is not None:
+        await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+        return
+    await self.app(scope, receive, send)
+
+
+def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
   """The app over the server that `startup` starts: until it can serve, `/health` and every `/v1` route
-  answer 503 with what it is doing."""
+  answer 503 with what it is doing. With `api_key`, every `/v1` route needs `Authorization: Bearer
+  <api_key>` (checked in constant time); `/health` and `/metrics` stay open."""
   model_name = startup.metrics.model_name
   checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jspec-check")
 
@@ -85,6 +112,8 @@ def create_app(startup: Startup) -> FastAPI:
       raise APIError(503, loop.error)
     return loop, startup.target
 
+  app.add_middleware(_Guard, api_key=api_key)
+
   @app.get("/health")
   async def health() -> Response:
     serving()
@@ -117,9 +146,10 @@ def create_app(startup: Startup) -> FastAPI:
     check_model(body.model)
     seed = body.seed_value()
     requests = []
-    for i, prompt in enumerate(body.prompts):
+    for i, prompt in enumerate(body.prompts):  # choice i * n + j: prompt i's j-th
       ids = encode(target.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
-      requests.append(engine_request(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, (seed + i) % 2 ** 32))
+      requests += [engine_request(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, (seed + i * body.n + j) % 2 ** 32)
+                   for j in range(body.n)]
     return await respond(body, requests, protocol.Response(False, model_name), http)
 
   @app.post("/v1/chat/completions")
@@ -136,8 +166,9 @@ def create_app(startup: Startup) -> FastAPI:
     if room < 1:
       raise APIError(400, f"the conversation has {len(ids)} tokens; the model's context is {loop.engine.max_len} "
                           "tokens", "messages")
-    request = engine_request(body, ids, body.token_limit or room, body.seed_value())
-    return await respond(body, [request], protocol.Response(True, model_name), http)
+    seed = body.seed_value()
+    requests = [engine_request(body, ids, body.token_limit or room, (seed + j) % 2 ** 32) for j in range(body.n)]
+    return await respond(body, requests, protocol.Response(True, model_name), http)
 
   async def respond(body, requests: list[Request], response: protocol.Response, http: HTTPRequest):
     loop, _ = serving()
@@ -148,7 +179,7 @@ def create_app(startup: Startup) -> FastAPI:
       ids, queue = loop.submit(requests)
     except ValueError as e:
       raise APIError(400, str(e)) from None
-    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests[::body.n])  # a prompt counts once for its n choices
     if body.stream:
       return StreamingResponse(stream(loop, ids, queue, response, prompt_tokens, body.include_usage),
                                media_type="text/event-stream")

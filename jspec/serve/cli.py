@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -33,6 +34,11 @@ def parser() -> argparse.ArgumentParser:
   g = p.add_argument_group("server")
   g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
   g.add_argument("--port", type=int, default=8000)
+  g.add_argument("--api-key", default=os.environ.get("JSPEC_API_KEY"), metavar="KEY",
+                 help="every /v1 route needs `Authorization: Bearer KEY` (default: $JSPEC_API_KEY; none: open); "
+                      "/health and /metrics stay open")
+  g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key (PEM)")
+  g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="and this certificate chain (PEM)")
   g.add_argument("--served-model-name", metavar="NAME", default=None,
                  help="the model name requests give (default: --target as given)")
   g.add_argument("--batch-size", type=int, default=None, metavar="B",
@@ -50,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--no-prefix-caching", action="store_true",
                  help="prefill every prompt whole (default: a prompt shares the cached pages of its longest prefix "
                       "an earlier request left, and prefills the rest)")
+  g.add_argument("--lazy-compile", action="store_true",
+                 help="compile the programs of other batch widths and prompt buckets when a request first needs one "
+                      "(default: all of them, in the background once the server is ready)")
   g.add_argument("--no-calibrate", action="store_true",
                  help="start without measuring the pair's cost model when none is kept for it (python -m "
                       "jspec.calibrate); adaptive speculation then uses the checkpoint's or neutral figures")
@@ -73,6 +82,13 @@ def check(args: argparse.Namespace) -> None:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if args.max_prefill_tokens < 0:
     raise ValueError(f"--max-prefill-tokens must be >= 0, got {args.max_prefill_tokens}")
+  if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+    raise ValueError("give --ssl-keyfile and --ssl-certfile together")
+  for name in ("ssl_keyfile", "ssl_certfile"):
+    if getattr(args, name) is not None and not os.path.isfile(getattr(args, name)):
+      raise ValueError(f"--{name.replace('_', '-')}: no file {getattr(args, name)}")
+  if args.api_key == "":
+    raise ValueError("--api-key must not be empty")
   if not 0 < args.memory_fraction <= 1:
     raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
   if args.num_processes is not None and args.num_processes > 1:
@@ -94,17 +110,19 @@ def main(argv: list[str] | None = None) -> int:
 
   if not args.no_compile_cache:
     programs.use_compile_cache(args.compile_cache)
-  startup = Startup(args, Metrics(args.served_model_name or args.target), f"http://{args.host}:{args.port}")
+  scheme = "https" if args.ssl_certfile else "http"
+  startup = Startup(args, Metrics(args.served_model_name or args.target), f"{scheme}://{args.host}:{args.port}")
   # uvicorn shuts down gracefully on SIGTERM and Ctrl-C, then raises the signal again for the handler it
   # found: these, so that a requested stop exits 0.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)
   # log_config None: uvicorn's own would reconfigure logging, closing the handlers the process has.
-  server = uvicorn.Server(uvicorn.Config(create_app(startup), host=args.host, port=args.port, log_level="warning",
-                                         log_config=None, timeout_graceful_shutdown=5))
+  server = uvicorn.Server(uvicorn.Config(create_app(startup, args.api_key), host=args.host, port=args.port,
+                                         log_level="warning", log_config=None, timeout_graceful_shutdown=5,
+                                         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile))
   stop = lambda: setattr(server, "should_exit", True)
   threading.Thread(target=startup.run, args=(stop,), name="jspec-startup", daemon=True).start()
-  log.info("listening at http://%s:%d (/health answers 503 until the server is ready)", args.host, args.port)
+  log.info("listening at %s (/health answers 503 until the server is ready)", startup.url)
   server.run()
   if startup.error is not None:
     return 2

@@ -5,7 +5,8 @@ output's `guided_regex`, `guided_choice`, `guided_json` beside OpenAI's `respons
 
 Requests are validated strictly: wrong types, out-of-range values and fields the endpoint does not take
 are errors (HTTP 400 with an OpenAI error body), never silently ignored. Fields the engine cannot honour
-(`n` > 1, log probabilities, penalties) are accepted only at their neutral values.
+(log probabilities, penalties) are accepted only at their neutral values. What one request may ask is
+bounded (`MAX_N` choices, `MAX_STOPS` stop strings of `MAX_STOP_CHARS`; the server bounds the body's size).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats
 
 MAX_SEED = 2 ** 63
+MAX_N = 16  # choices one request may ask for
+MAX_STOPS = 16  # stop strings one request may give
+MAX_STOP_CHARS = 256  # characters of one stop string
 
 
 class APIError(Exception):
@@ -31,9 +35,9 @@ class APIError(Exception):
     self.status, self.message, self.param, self.headers = status, message, param, headers
 
   def body(self) -> dict:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge",
-            503: "ServiceUnavailableError"}.get(self.status, "InvalidRequestError" if self.status < 500 else
-                                                 "InternalServerError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+            413: "RequestTooLarge", 503: "ServiceUnavailableError"}.get(
+                self.status, "InvalidRequestError" if self.status < 500 else "InternalServerError")
     return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
 
@@ -79,12 +83,12 @@ class _Sampling(_Strict):
   top_p: float = Field(1.0, gt=0.0, le=1.0)
   top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's "off"): every token
   seed: int | None = Field(None, ge=-MAX_SEED, lt=MAX_SEED)
-  stop: str | list[str] | None = None
+  stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
   stop_token_ids: list[int] | None = None
   ignore_eos: bool = False
   stream: bool = False
   stream_options: StreamOptions | None = None
-  n: int = Field(1, ge=1, le=1)
+  n: int = Field(1, ge=1, le=MAX_N)
   presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
   frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
   user: str | None = None
@@ -128,6 +132,12 @@ class _Sampling(_Strict):
   def seed_value(self) -> int:
     """The engine's 32-bit seed: the request's, else a fresh random one (as OpenAI does without one)."""
     return secrets.randbits(32) if self.seed is None else self.seed % 2 ** 32
+
+  @model_validator(mode="after")
+  def _short_stops(self):
+    if any(len(s) > MAX_STOP_CHARS for s in self.stops):
+      raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters")
+    return self
 
   @property
   def stops(self) -> list[str]:

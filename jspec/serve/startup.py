@@ -64,7 +64,7 @@ class Startup:
     self.loop.start()
     self.phase = "ready"
     log.info("ready in %.1f s: serving %s at %s/v1", time.perf_counter() - begin, self.metrics.model_name, self.url)
-    compiling = engine.compile_in_background()
+    compiling = engine.compile_in_background(ahead=not args.lazy_compile)
     bar = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program", file=sys.stderr,
                desc="compiling the other programs in the background", disable=not compiling)
     for future in bar:
