@@ -1,5 +1,7 @@
 """The online engine: requests that arrive while others decode get the tokens they get alone; aborts, stop
 strings, stop tokens and the per-request speculation switch; refusals before anything queues."""
+import threading
+
 import pytest
 
 import jspec
@@ -150,3 +152,29 @@ def test_a_young_stream_runs_short_segments_unless_requests_wait(pair, engine):
     assert rounds[0] == 3 and 1 in rounds and out[2] == alone(pair, [7, 2], 12)
   finally:
     engine.stream_rounds, engine.segment_rounds = 2, 2
+
+
+def test_a_request_whose_program_compiles_in_the_background_waits_while_others_run(pair, monkeypatch):
+  """With background compiles, a request whose prefill program is not ready waits in its slot while one
+  whose program is decodes; once it is ready the request gets its tokens alone."""
+  target, draft = pair
+  engine = jspec.make_engine(target, draft=draft, spec=FIXED_K, slots=2, max_len=96, segment_rounds=2)
+  engine.prepare()
+  engine.compile_in_background(ahead=False)
+  release, compile = threading.Event(), engine._compile
+
+  def held(key, *args):
+    if key[0] == "insert" and key[1][0][1] >= 48:  # the long prompt's bucket
+      release.wait(60)
+    compile(key, *args)
+
+  monkeypatch.setattr(engine, "_compile", held)
+  engine.add(Request([7, 8], 4), "first")  # compiles the short prompts' bucket
+  drain(engine)
+  engine.add(Request([9] * 40, 10), "long")
+  engine.add(Request([5, 6], 12), "short")
+  out = drain(engine, until="short")
+  assert "long" not in out and [t for d in out["short"] for t in d.token_ids] == alone(pair, [5, 6], 12)
+  release.set()
+  out = drain(engine)
+  assert [t for d in out["long"] for t in d.token_ids] == alone(pair, [9] * 40, 10)

@@ -118,6 +118,10 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
     "serving": ("the OpenAI server under Poisson arrivals over HTTP, speculative against --no-draft",
                 lambda a, m, o: serving.suite_serving(m, _kinds(a)[0], [float(r) for r in a.rates.split(",")],
                                                       a.requests, a.repeats, a.batch_size, out_dir=o)),
+    "streaming": ("one streamed completion at a time through the server: chunks, first token and tokens/s "
+                  "with short segments for young streams against 16-round ones",
+                  lambda a, m, o: serving.suite_streaming(m, _kinds(a)[0], a.prompts, a.repeats,
+                                                          a.max_new_tokens)),
     "paging": ("the paged engine: requests at once in a few slots' memory, a shared prefix's time to first "
                "token, streams' gaps while a long prompt goes in chunks", lambda a, m, o: _paging(a, m, o)),
     "gpu": ("the prepared accelerator check: losslessness on the device, an 8B-shaped target against its "

@@ -82,6 +82,15 @@ def _metric(url: str, name: str) -> float:
   return float(line.rsplit(" ", 1)[1])
 
 
+def _started(*flags: str) -> tuple:
+  """A server, once ready and done compiling in the background (so that compiles do not share the CPU with
+  what is measured)."""
+  proc, url = start(*flags)
+  while _metric(url, "jspec:programs_compiling"):
+    time.sleep(0.5)
+  return proc, url
+
+
 def _server_flags(models: Models, drafter: str | None) -> list[str]:
   flags = ["--target", str(models.target), "--served-model-name", MODEL]
   if drafter is None:
@@ -101,7 +110,7 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
   try:
     for name, kind in (("speculative", drafter), ("plain", None)):
       print(f"starting the {name} server", file=sys.stderr)
-      servers[name] = start(*_server_flags(models, kind), *extra)
+      servers[name] = _started(*_server_flags(models, kind), *extra)
     loads = [("one at a time", None)] + [(f"{r:g} req/s", r) for r in rates] + [("all at once", math.inf)]
     rows = []
     for label, rate in loads:
@@ -202,3 +211,37 @@ def plot(result: dict, path: pathlib.Path) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def suite_streaming(models: Models, drafter: str, requests: int, repeats: int, max_tokens: int = 48,
+                    batch_size: int = 8) -> dict:
+  """One streamed completion at a time (greedy, `max_tokens` each, EOS ignored, held-out code prompts): the
+  server with its default short segments for a young stream against one whose streams run 16-round segments
+  (`--stream-rounds 16`, as every segment did before), loaded in turn, medians: chunks per request, time to
+  first token against the short server's own mean prefill + 4 rounds, and output tokens/s."""
+  flags = [*_server_flags(models, drafter), "--batch-size", str(batch_size)]
+  servers = {}
+  try:
+    for name, rounds in (("short", None), ("long", 16)):
+      print(f"starting the server with {name} stream segments", file=sys.stderr)
+      servers[name] = _started(*flags, *(["--stream-rounds", str(rounds)] if rounds else []))
+    jobs = [(p, max_tokens) for p in varied_heldout_prompts(requests, 0)]
+    runs = {name: [] for name in servers}
+    for r in range(repeats):
+      for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+        runs[name].append(asyncio.run(_load(servers[name][1], jobs, None, seed=r)))
+    url = servers["short"][1]
+    per = lambda name: _metric(url, f"{name}_sum") / _metric(url, f"{name}_count")
+    prefill = per("jspec:request_prefill_time_seconds")
+    round_seconds = _metric(url, "jspec:segment_time_seconds_sum") / _metric(url, "jspec:spec_decode_num_drafts_total")
+  finally:
+    for proc, _ in servers.values():
+      stop(proc)
+  out = {"drafter": drafter, "max_tokens": max_tokens, "requests": requests, "repeats": repeats,
+         "mean_prefill_seconds": prefill, "seconds_per_round": round_seconds, "ttft_bound": prefill + 4 * round_seconds}
+  for name, results in runs.items():
+    out[name] = {k: statistics.median(x[k] for x in results) for k in
+                 ("chunks_per_request", "ttft_p50", "gap_p50", "output_tokens_per_second")}
+  out["throughput_ratio"] = out["short"]["output_tokens_per_second"] / out["long"]["output_tokens_per_second"]
+  print(json.dumps(out), file=sys.stderr)
+  return out

@@ -55,6 +55,7 @@ class Metrics:
     self.preemptions = counter("num_preemptions", "Requests preempted for want of KV pages (they resume later).")
     self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
     self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
+    self.compiling = gauge("programs_compiling", "Programs the server compiles in the background now.")
     self.model_name = model_name
     self._last: DecodeStats | None = None
     self._counted = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}

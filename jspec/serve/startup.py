@@ -67,8 +67,10 @@ class Startup:
     compiling = engine.compile_in_background(ahead=not args.lazy_compile)
     bar = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program", file=sys.stderr,
                desc="compiling the other programs in the background", disable=not compiling)
+    self.metrics.compiling.set(len(compiling))
     for future in bar:
       future.result()
+      self.metrics.compiling.dec()
     bar.close()
     if not args.no_calibrate and calibrate(target, models, engine.slots):
       log.info("calibrated: the next start uses the measured cost model")
