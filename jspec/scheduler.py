@@ -357,9 +357,12 @@ class Engine:
     self._grow(rounds)
     busy = max(b for b, r in enumerate(self._running) if r is not None)
     args = self._segment_args(rounds)
-    fits = [w for w in self.widths if w > busy]  # the narrowest whose program is ready
-    width = next((w for w in fits if self._executable("segment", programs.segment, args, False, width=w) is not None),
-                 fits[-1])
+    # The narrowest width that holds the busy rows; while its program compiles in the background, the
+    # narrowest wider one that is ready.
+    fits = [w for w in self.widths if w > busy]
+    narrowest = self._executable("segment", programs.segment, args, False, width=fits[0])
+    ready = [w for w in fits if self._key("segment", args, {"width": w}) in self._executables]
+    width = fits[0] if narrowest is not None or not ready else ready[0]
     self._state, report = self._call("segment", programs.segment, *args, width=width)
     self._retire_B[:] = False
     for run in self._running:
@@ -599,8 +602,7 @@ class Engine:
     the engine's cache hashes every argument's shape and static field, which costs more than a segment's
     call. With `wait` False while the engine compiles in the background (`compile_in_background`): None
     if it is not ready yet, and it compiles there."""
-    key = (name, (args[2].prompts_BxP.shape, args[2].prefill_width) if name in ("insert", "chunk") else None,
-           self._constraint_shape, tuple(static.items()))
+    key = self._key(name, args, static)
     if key in self._executables:
       return self._executables[key]
     with self._lock:
@@ -617,6 +619,10 @@ class Engine:
     else:
       self._compile(key, name, jitted, args, static)
     return self._executables[key]
+
+  def _key(self, name: str, args: tuple, static: dict) -> tuple:
+    return (name, (args[2].prompts_BxP.shape, args[2].prefill_width) if name in ("insert", "chunk") else None,
+            self._constraint_shape, tuple(static.items()))
 
   def _compile(self, key: tuple, name: str, jitted, args: tuple, static: dict) -> None:
     executable, seconds = programs.compiled(name, lambda: jitted.lower(*args, **static), args, self.quiet,
