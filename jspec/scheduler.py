@@ -57,7 +57,7 @@ from jspec.tokenizer import IncrementalDetokenizer
 # (BENCHMARKS.md, "Streaming"), often enough that text appears every few tens of milliseconds.
 SEGMENT_ROUNDS = 16
 STREAM_ROUNDS = 2  # rounds per segment while a young streamed request runs (BENCHMARKS.md, "Streaming")
-YOUNG_TOKENS = 128  # a streamed request's first tokens, which come in short segments
+YOUNG_TOKENS = 32  # a streamed request's first tokens, which come in short segments
 MAX_STOP_IDS = 8  # stop token ids a request may add to the target's EOS tokens (a compiled width)
 
 
@@ -507,7 +507,13 @@ class Engine:
         self._fit_constraints(run.tables)
         args = self._insert_args(b, run.request, run.tables, done)
         if self._executable("insert", programs.insert, args, wait=False) is None:
-          continue  # its program compiles in the background
+          # Its program compiles in the background: meanwhile it waits, or a prefix hit prefills whole.
+          if not (done and len(prompt) <= budget and self._unshare(b, run.request, done)):
+            continue
+          rest = len(prompt)
+          args = self._insert_args(b, run.request, run.tables, 0)
+          if self._executable("insert", programs.insert, args, wait=False) is None:
+            continue
         del self._prefilling[b]
         self._insert(b, run, args)
         budget -= rest
@@ -521,6 +527,18 @@ class Engine:
         self._chunk_seconds[b] = self._chunk_seconds.get(b, 0.0) + self.decode_seconds - before
         self._prefilling[b][1] += int(chunk)
       return
+
+  def _unshare(self, b: int, req: Request, cached: int) -> bool:
+    """Gives slot b fresh pages for `req` in place of the `cached` prompt tokens' pages it shares (whose
+    prefill program is not ready yet), if the pool has them besides those: True if it did."""
+    table = self.page_table
+    if pages_for(self._written(req)) > table.num_free:
+      return False
+    table.release(b)
+    table.grow(b, self._written(req))
+    self._prefilling[b][1] = 0
+    self.prefix_hits -= cached
+    return True
 
   def _insert_args(self, b: int, req: Request, tables: constraints.Tables | None, cached: int) -> tuple:
     """The insert program's arguments that start `req` in slot b, the first `cached` tokens of its prompt in

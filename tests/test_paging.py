@@ -1,6 +1,8 @@
 """Paged KV caches (jspec/cache.py, jspec/pages.py): decoding through page tables gives the tokens contiguous
 caches give, for every drafter, chains and trees, greedy and sampled, and the loop holds no copy of the pool;
 an engine short of pages preempts and resumes to the same tokens, constrained rows too, and leaks none."""
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -190,6 +192,34 @@ def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
   assert engine.prefix_hits == shared_pages * 128 + (1 - (kind == "eagle")) * 128
   assert engine.prefix_queries == sum(map(len, prompts.values()))
   assert engine.page_table.num_free == engine.page_table.pages
+
+
+def test_a_prefix_hit_whose_program_compiles_prefills_whole_meanwhile(pair, monkeypatch):
+  """Compiling in the background, a request that hits a cached prefix but whose narrower prefill is not
+  compiled yet takes fresh pages and prefills its whole prompt, rather than wait: `generate`'s tokens, no hit."""
+  target, _ = pair
+  draft, spec = _models("model", pair)
+  engine = jspec.make_engine(target, draft=draft, spec=spec, slots=2, max_len=400, segment_rounds=2)
+  engine.prepare()
+  engine.compile_in_background(ahead=False)
+  release, compile, asked = threading.Event(), engine._compile, []
+
+  def held(key, *args):
+    if key[0] == "insert" and key[1][1] is not None:  # a prefill from a cached prefix
+      asked.append(key)
+      release.wait(60)
+    compile(key, *args)
+
+  monkeypatch.setattr(engine, "_compile", held)
+  try:
+    for i, prompt in {"first": SYSTEM + [1, 2], "again": SYSTEM + [9] * 40}.items():
+      engine.add(Request(prompt, 16), i)
+      out = _drain(engine)
+      want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=16).token_ids[0]
+      assert [t for d in out[i] for t in d.token_ids] == want, i
+    assert asked and engine.prefix_hits == 0 and engine.page_table.num_free == engine.page_table.pages
+  finally:
+    release.set()
 
 
 def test_the_two_token_law_holds_through_a_prefix_hit():
