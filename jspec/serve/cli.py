@@ -60,8 +60,9 @@ def parser() -> argparse.ArgumentParser:
                  help="compile the programs of other batch widths and prompt buckets when a request first needs one "
                       "(default: all of them, in the background once the server is ready)")
   g.add_argument("--no-calibrate", action="store_true",
-                 help="start without measuring the pair's cost model when none is kept for it (python -m "
-                      "jspec.calibrate); adaptive speculation then uses the checkpoint's or neutral figures")
+                 help="do not measure the pair's cost model once ready when none is kept for it (python -m "
+                      "jspec.calibrate; a measured one applies from the next start); adaptive speculation uses "
+                      "the checkpoint's or neutral figures")
   g.add_argument("--max-queue", type=int, default=256, metavar="N",
                  help="requests that may wait for a slot; past it, requests get 503 and Retry-After")
   g.add_argument("--segment-rounds", type=int, default=SEGMENT_ROUNDS, metavar="R",
