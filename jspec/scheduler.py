@@ -124,6 +124,7 @@ class _Running:
   tables: constraints.Tables | None = None  # the constraint, started after the tokens emitted so far
   emitted: list[int] = dataclasses.field(default_factory=list)  # tokens of `request`'s output handed out
   unread_rounds: int = 0  # rounds of segments set going for it whose tokens the host has not read
+  cached: int = 0  # prompt tokens its prefill found in the prefix cache
 
   @property
   def sent(self) -> int:
@@ -335,12 +336,14 @@ class Engine:
         deltas.append(Delta(run.id, "", [], True, None, "abort"))
         self._vacate(b)
     self.last_prefill_seconds, self.last_segment_seconds = [], None
+    ran = self.decode_seconds
     self._admit()
     running = any(r is not None for r in self._running)
     if running:
       self._dispatch()
     deltas += self._read(in_flight=int(running))
-    self.stalled = not (running or deltas)  # waiting on programs that compile in the background
+    # Nothing ran and nothing came out: what waits, waits for programs that compile in the background.
+    self.stalled = not (running or deltas) and self.decode_seconds == ran
     return deltas
 
   def _rounds(self) -> int:
@@ -491,6 +494,7 @@ class Engine:
         stops = frozenset(() if req.ignore_eos else self.eos) | {int(t) for t in req.stop_ids}
         run = _Running(request_id, req, _Text(self.tokenizer, req.stop), stops, next(self._admissions),
                        self._tables(req))
+      run.cached = cached
       self._prefilling[b] = [run, cached]
       pending += len(req.prompt_ids) - cached
     self._prefill(budget)
@@ -508,7 +512,7 @@ class Engine:
         args = self._insert_args(b, run.request, run.tables, done)
         if self._executable("insert", programs.insert, args, wait=False) is None:
           # Its program compiles in the background: meanwhile it waits, or a prefix hit prefills whole.
-          if not (done and len(prompt) <= budget and self._unshare(b, run.request, done)):
+          if not (done and len(prompt) <= budget and self._unshare(b, run.request)):
             continue
           rest = len(prompt)
           args = self._insert_args(b, run.request, run.tables, 0)
@@ -528,16 +532,15 @@ class Engine:
         self._prefilling[b][1] += int(chunk)
       return
 
-  def _unshare(self, b: int, req: Request, cached: int) -> bool:
-    """Gives slot b fresh pages for `req` in place of the `cached` prompt tokens' pages it shares (whose
-    prefill program is not ready yet), if the pool has them besides those: True if it did."""
+  def _unshare(self, b: int, req: Request) -> bool:
+    """Gives slot b fresh pages for `req` in place of the cached prefix's pages it shares (whose prefill
+    program is not ready yet), if the pool has them besides those: True if it did."""
     table = self.page_table
     if pages_for(self._written(req)) > table.num_free:
       return False
     table.release(b)
     table.grow(b, self._written(req))
-    self._prefilling[b][1] = 0
-    self.prefix_hits -= cached
+    self._prefilling[b][1] = self._prefilling[b][0].cached = 0
     return True
 
   def _insert_args(self, b: int, req: Request, tables: constraints.Tables | None, cached: int) -> tuple:
@@ -550,6 +553,7 @@ class Engine:
     """Starts `run`'s request decoding in slot b (`_insert_args`)."""
     req = run.request
     self._state = self._call("insert", programs.insert, *args)
+    self.prefix_hits += run.cached
     self.last_prefill_seconds[-1] += self._chunk_seconds.pop(b, 0.0)
     self._running[b] = run
     self._retire_B[b] = False
@@ -577,7 +581,6 @@ class Engine:
       return None
     if self.prefix_caching:
       self.prefix_queries += len(req.prompt_ids)
-      self.prefix_hits += len(shared) * kvcache.PAGE_SIZE
     return len(shared) * kvcache.PAGE_SIZE
 
   def _fit_constraints(self, tables: constraints.Tables | None = None) -> None:

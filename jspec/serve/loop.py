@@ -94,26 +94,30 @@ class EngineLoop:
         self._wake.clear()
         continue
       try:
-        deltas = engine.step()
-      except Exception as e:  # the device failed: end every request with the error, take no more
+        self._step()
+      except Exception as e:  # the device (or the host's side) failed: end every request with the error
         log.exception("the engine failed")
         self.error = f"{type(e).__name__}: {e}"
         for route in self._routes.values():
           route.loop.call_soon_threadsafe(route.queue.put_nowait, (route.index, APIError(500, self.error)))
         self._routes.clear()
         return
-      if engine.stalled:  # its requests wait for programs that compile in the background
-        self._wake.wait(IDLE_WAIT)
-        self._wake.clear()
-      for delta in deltas:
-        self._deliver(delta)
-      for seconds in engine.last_prefill_seconds:
-        self.metrics.prefill.observe(seconds)
-      if engine.last_segment_seconds is not None:
-        self.metrics.segment.observe(engine.last_segment_seconds)
-      self.metrics.observe_engine(engine)
-      if engine.device_stats is not None:
-        self.metrics.observe_segment(engine.device_stats, engine.running_B)
+
+  def _step(self) -> None:
+    engine = self.engine
+    deltas = engine.step()
+    if engine.stalled:  # its requests wait for programs that compile in the background
+      self._wake.wait(IDLE_WAIT)
+      self._wake.clear()
+    for delta in deltas:
+      self._deliver(delta)
+    for seconds in engine.last_prefill_seconds:
+      self.metrics.prefill.observe(seconds)
+    if engine.last_segment_seconds is not None:
+      self.metrics.segment.observe(engine.last_segment_seconds)
+    self.metrics.observe_engine(engine)
+    if engine.device_stats is not None:
+      self.metrics.observe_segment(engine.device_stats, engine.running_B)
 
   def _deliver(self, delta: Delta) -> None:
     route = self._routes.get(delta.index)
