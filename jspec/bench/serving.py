@@ -117,12 +117,7 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
     for label, rate in loads:
       count = max(requests // 3, 4) if rate is None else requests
       jobs = _jobs(count, seed=len(rows), output_lens=output_lens)
-      runs = {name: [] for name in servers}
-      for name in servers:  # unmeasured: compiles the prefills from cached prefixes that these prompts hit
-        asyncio.run(_load(servers[name][1], jobs, rate, seed=0))
-      for r in range(repeats):
-        for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
-          runs[name].append(asyncio.run(_load(servers[name][1], jobs, rate, seed=r)))
+      runs = _in_turn(servers, jobs, rate, repeats)
       row = {"load": label, "rate": None if rate is None else rate, "requests": count}
       for name, results in runs.items():
         row[name] = {k: statistics.median(x[k] for x in results) for k in results[0] if k != "first_stream"}
@@ -148,6 +143,18 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
     (out_dir / "serving.md").write_text(markdown(result))
     plot(result, out_dir / "serving.png")
   return result
+
+
+def _in_turn(servers: dict, jobs: list[tuple[str, int]], rate: float | None, repeats: int) -> dict[str, list]:
+  """Each server's results of `repeats` loads of `jobs`, the servers in turn (the order alternating), after
+  one unmeasured load each (it compiles the prefills from cached prefixes that repeated prompts hit)."""
+  runs = {name: [] for name in servers}
+  for name in servers:
+    asyncio.run(_load(servers[name][1], jobs, rate, seed=0))
+  for r in range(repeats):
+    for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+      runs[name].append(asyncio.run(_load(servers[name][1], jobs, rate, seed=r)))
+  return runs
 
 
 def _startup(models: Models, drafter: str, extra: list[str]) -> dict:
@@ -229,12 +236,7 @@ def suite_streaming(models: Models, drafter: str, requests: int, repeats: int, m
       print(f"starting the server with {name} stream segments", file=sys.stderr)
       servers[name] = _started(*flags, *(["--stream-rounds", str(rounds)] if rounds else []))
     jobs = [(p, max_tokens) for p in varied_heldout_prompts(requests, 0)]
-    runs = {name: [] for name in servers}
-    for name in servers:  # unmeasured: compiles the prefills from cached prefixes that these prompts hit
-      asyncio.run(_load(servers[name][1], jobs, None, seed=0))
-    for r in range(repeats):
-      for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
-        runs[name].append(asyncio.run(_load(servers[name][1], jobs, None, seed=r)))
+    runs = _in_turn(servers, jobs, None, repeats)
     url = servers["short"][1]
     per = lambda name: _metric(url, f"{name}_sum") / _metric(url, f"{name}_count")
     prefill = per("jspec:request_prefill_time_seconds")
