@@ -296,23 +296,6 @@ class Engine:
     """The loop's statistics (`jspec.stats.DecodeStats`, on the host) after the last segment, or None."""
     return self._device_stats
 
-  def warm_up(self, prompt_lens: Sequence[int] | None = None) -> None:
-    """Compiles (or loads) the programs requests run, so that none waits on a compile: one short request
-    per prompt length (default: one per prompt bucket, each its own insert program, and its chunks'),
-    run to the end. They neither look up nor leave cached prefixes (a prefix hit's narrower prefill
-    compiles on first use)."""
-    caching, self.prefix_caching = self.prefix_caching, False
-    for n in prompt_lens or self._prompt_lens():
-      warm = Request([0] * n, 1, ignore_eos=True)
-      if self.page_table is not None and pages_for(self._written(warm, 1)) > self.page_table.pages:
-        continue  # a prompt the pool cannot hold: refused when it comes
-      self.add(warm)
-      while self.has_work:
-        self.step()
-    self.prefix_caching = caching
-    for width in self.widths:
-      self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), width=width)
-
   def _prompt_lens(self) -> list[int]:
     """A prompt length per prompt bucket."""
     longest = request.prompt_bucket(self.max_len - 1)
@@ -655,7 +638,7 @@ class Engine:
   def compile_in_background(self, ahead: bool = True) -> list[concurrent.futures.Future]:
     """From now on a program the engine has not compiled compiles on a thread of its own, and the requests
     that need it wait while the others run: a segment runs at a wider width whose program is ready, and a
-    request whose prefill program is not waits in its slot. Starts with what `warm_up` compiles: every
+    request whose prefill program is not waits in its slot. Starts with every
     segment width and a prefill per prompt bucket (returned: their futures), unless not `ahead`. `prepare`
     first, which compiles what any request needs."""
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-compile")
@@ -682,11 +665,6 @@ class Engine:
   def _start(self) -> None:
     """The state of idle rows (ended by the first segment)."""
     self._state = self._call("prefill", programs.start, self.decoder, self._requests([Request([0], 1)] * self.slots))
-
-  @property
-  def compiling(self) -> int:
-    """Programs compiling in the background now."""
-    return sum(not f.done() for f in list(self._compiling.values()))
 
   def _call(self, name: str, jitted, *args, **static):
     """Runs `jitted` (through `_executable`)."""
