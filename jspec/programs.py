@@ -102,13 +102,17 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = 
   else:
     say("compiling the %s program (the first run of a shape: up to a minute for adaptive speculation's "
              "branches)%s", name, f"; it is kept in {cache_dir} for later runs" if cache_dir else "")
-  hits, begin = _cache_hits[0], time.perf_counter()
+  begin = time.perf_counter()
   executable = executables.load(stored) if stored else None
   loaded = executable is not None
   if executable is None:
+    before = _jax_events().copy()
     executable = lowering().compile()
-    loaded = _cache_hits[0] > hits
-    if stored and not loaded:  # XLA:CPU's executable from JAX's cache fails to run once serialized again
+    seen = _jax_events() - before
+    loaded = bool(seen[CACHE_HIT])
+    # Stored only when XLA compiled it now: XLA:CPU's executable loaded from JAX's cache (now, or earlier in
+    # this process, which `compile()` then returns with no event) fails to run once serialized again.
+    if stored and seen[BACKEND_COMPILE] and not loaded:
       executables.store(stored, executable)
   with _lock:
     _compiled[key] = executable
@@ -128,15 +132,26 @@ def use_compile_cache(directory: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-_cache_hits = [0]  # programs loaded from the persistent compilation cache in this process
+# JAX's events, counted per thread (a thread's compile reports them on that thread): a program compiled by
+# XLA (or loaded from the persistent compilation cache), and loaded from that cache.
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_events = threading.local()
 
 
-def _count_cache_hits(event: str, **_) -> None:
-  if event == "/jax/compilation_cache/cache_hits":
-    _cache_hits[0] += 1
+def _jax_events() -> collections.Counter:
+  if not hasattr(_events, "counts"):
+    _events.counts = collections.Counter()
+  return _events.counts
 
 
-jax.monitoring.register_event_listener(_count_cache_hits)
+def _count(event: str, *_, **__) -> None:
+  if event in (BACKEND_COMPILE, CACHE_HIT):
+    _jax_events()[event] += 1
+
+
+jax.monitoring.register_event_listener(_count)
+jax.monitoring.register_event_duration_secs_listener(_count)
 
 
 def compiled_run(decoder: Decoder, requests: Batch) -> tuple[Any, float]:

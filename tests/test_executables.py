@@ -74,3 +74,17 @@ def test_a_program_from_jaxs_cache_is_not_stored_again(cache_dir):
   programs.release_executables()
   jspec.generate(target, ["x"], max_new_tokens=2)  # from JAX's cache
   assert stored(cache_dir) == []
+
+
+def test_a_program_jax_holds_from_its_cache_is_not_stored(cache_dir):
+  """`compile()` returns an executable JAX already holds without a word: one it loaded from its cache
+  earlier in the process is not stored either; one XLA compiles now is."""
+  x = jax.numpy.ones(4)
+  f = jax.jit(lambda x: jax.numpy.cos(x) + 1)
+  f(x)  # compiled, and kept in JAX's cache
+  jax.clear_caches()
+  f(x)  # loaded from JAX's cache
+  programs.compiled("f", lambda: f.lower(x), (x,))
+  assert stored(cache_dir) == []
+  programs.compiled("g", lambda: jax.jit(lambda x: jax.numpy.tan(x) * 3).lower(x), (x,))
+  assert len(stored(cache_dir)) == 1
