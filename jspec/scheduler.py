@@ -184,7 +184,7 @@ class Engine:
     # widest padded prompt, not rounded up to a power of two as one-off batches are; refused before
     # anything is allocated when it does not fit the device.
     layout = decoder.layout
-    self.capacity = memory.shape(decoder, max_len, max_len - 1, serving=True)[1]
+    self.prompt_width, self.capacity = memory.shape(decoder, max_len, max_len - 1, serving=True)
     budget = machine.budget(layout and layout.mesh, memory_fraction)
     self.page_table: PageTable | None = None
     if layout is None:
@@ -201,6 +201,12 @@ class Engine:
     if max_prefill_tokens is not None and not (isinstance(max_prefill_tokens, int) and max_prefill_tokens >= 1):
       raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_prefill_tokens}")
     self.max_prefill_tokens = max_prefill_tokens if self.page_table is not None else None  # chunks go into pages
+    # A paged prefill reads its prompt at `prompt_width` and runs a prompt bucket of it from where its pages
+    # end (0, a cached prefix, or the chunks so far): its program depends on that bucket alone, so a prefix
+    # hit or a chunk uses the programs whole prompts use. Chunks are whole pages where the budget allows.
+    buckets = sorted({request.prompt_bucket(n) for n in range(1, (max_prefill_tokens or 0) + 1)})
+    buckets = [w for w in buckets if w <= (max_prefill_tokens or 0)]
+    self._chunk_widths = [w for w in buckets if w % kvcache.PAGE_SIZE == 0] or buckets
     self._prefilling: dict[int, list] = {}  # slot -> [its _Running, prompt tokens in its pages]
     self._chunk_seconds: dict[int, float] = {}  # slot -> its chunks' time, counted with its prefill
     self._admissions = itertools.count()
@@ -297,8 +303,8 @@ class Engine:
     return self._device_stats
 
   def _prompt_lens(self) -> list[int]:
-    """A prompt length per prompt bucket."""
-    longest = request.prompt_bucket(self.max_len - 1)
+    """A prompt length per prefill width: a prompt bucket, up to the widest a step prefills."""
+    longest = request.prompt_bucket(min(self.max_len - 1, self.max_prefill_tokens or self.max_len))
     return sorted({min(request.prompt_bucket(n), self.max_len - 1) for n in range(1, longest + 1)})
 
   # --- deltas out (one thread) ---
@@ -505,8 +511,7 @@ class Engine:
         self._insert(b, run, args)
         budget -= rest
         continue
-      chunk = min(budget, rest - 2)
-      chunk = chunk - chunk % kvcache.PAGE_SIZE if chunk >= kvcache.PAGE_SIZE else chunk
+      chunk = self._chunk(budget, rest)
       args = (self.decoder, self._state, self._requests([run.request], [run.tables], b, done, int(chunk)))
       if chunk > 0 and self._executable("chunk", programs.prefill_pages, args, wait=False) is not None:
         before = self.decode_seconds
@@ -514,6 +519,14 @@ class Engine:
         self._chunk_seconds[b] = self._chunk_seconds.get(b, 0.0) + self.decode_seconds - before
         self._prefilling[b][1] += int(chunk)
       return
+
+  def _chunk(self, budget: float, rest: int) -> int:
+    """The width of a prompt's next chunk, its rest `rest` tokens: the widest chunk width within `budget` that
+    leaves the last two tokens for the insert; failing that, all of that with a whole step's budget (a program of
+    its own), else none this step."""
+    limit = int(min(budget, rest - 2))
+    fits = [w for w in self._chunk_widths if w <= limit]
+    return fits[-1] if fits else limit if budget == self.max_prefill_tokens else 0
 
   def _unshare(self, b: int, req: Request) -> bool:
     """Gives slot b fresh pages for `req` in place of the cached prefix's pages it shares (whose prefill
@@ -529,7 +542,7 @@ class Engine:
   def _insert_args(self, b: int, req: Request, tables: constraints.Tables | None, cached: int) -> tuple:
     """The insert program's arguments that start `req` in slot b, the first `cached` tokens of its prompt in
     its pages."""
-    width = request.prompt_bucket(len(req.prompt_ids) - cached) if cached else None
+    width = None if self.page_table is None else request.prompt_bucket(len(req.prompt_ids) - cached)
     return self.decoder, self._state, self._requests([req], [tables], b, cached, width), np.int32(b)
 
   def _insert(self, b: int, run: _Running, args: tuple) -> None:
@@ -590,7 +603,7 @@ class Engine:
         sampling=[r.sampling for r in reqs], seed=[r.seed for r in reqs], stop_ids=stop_ids,
         capacity_slots=self.capacity, stop_width=self.stop_width, speculate=[r.speculate for r in reqs],
         constraints=tables if any(t is not None for t in tables) else None,
-        constraint_shape=self._constraint_shape)
+        constraint_shape=self._constraint_shape, width=self.prompt_width if width is not None else None)
     requests = requests.replace(max_new_tokens_B=np.asarray([r.max_new_tokens for r in reqs], np.int32))
     if self.page_table is not None:
       table = self.page_table.table
@@ -650,6 +663,10 @@ class Engine:
       warm = Request([0] * n, 1)
       if self.page_table is None or pages_for(self._written(warm, 1)) <= self.page_table.pages:
         self._executable("insert", programs.insert, self._insert_args(0, warm, None, 0), False)
+    for width in self._chunk_widths:
+      if width + 2 < self.max_len:
+        args = (self.decoder, self._state, self._requests([Request([0] * (width + 2), 1)], None, 0, 0, width))
+        self._executable("chunk", programs.prefill_pages, args, False)
     with self._lock:
       return list(self._compiling.values())
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import automaton, programs, rows, testing
+from jspec import automaton, programs, request, rows, testing
 from jspec import cache as kvcache
 from jspec.decoder import make_decoder
 from jspec.request import make_batch
@@ -246,7 +246,8 @@ def test_the_two_token_law_holds_through_a_prefix_hit():
 def test_streams_keep_moving_while_a_long_prompt_goes_in_chunks(pair):
   """Two streams decode while a 360-token prompt is prefilled 100 tokens per step: every step of its prefill
   hands them tokens, and all three get the tokens of `generate`. The same requests again (a cached prefix: a
-  prefill of another width, compiled once) and again, sampled, with other pages, compile nothing new."""
+  prefill of another width, compiled once) and again, sampled, with other pages, compile nothing new. Every
+  prefill program (whole, chunk, from a prefix) reads the prompt at one width and runs a prompt bucket."""
   target, draft = pair
   spec = testing.fixed_k(3)
   engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=400, segment_rounds=2,
@@ -278,3 +279,6 @@ def test_streams_keep_moving_while_a_long_prompt_goes_in_chunks(pair):
     _drain(engine)
     compiled.append(len(engine._executables))
   assert compiled[0] == compiled[1]
+  prefills = [key[1] for key in engine._executables if key[0] in ("insert", "chunk")]
+  assert {shape for shape, _ in prefills} == {(1, engine.prompt_width)}
+  assert {width for _, width in prefills} <= {request.prompt_bucket(n) for n in range(1, 101)}
