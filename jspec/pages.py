@@ -28,13 +28,16 @@ def pages_for(tokens: int) -> int:
   return -(-tokens // PAGE_SIZE)
 
 
-def page_hashes(tokens: Sequence[int]) -> list[bytes]:
-  """The hash of each full page of `tokens`, chained: page i's covers every token up to its end."""
+def page_hashes(tokens: Sequence[int], lookahead: int = 0) -> list[bytes]:
+  """The hash of each full page of `tokens` followed by `lookahead` more of them, chained: page i's covers
+  every token up to its end, and the `lookahead` after it."""
   ids = np.asarray(tokens, np.int64)
   digest, hashes = b"", []
-  for i in range(len(ids) // PAGE_SIZE):
-    digest = hashlib.blake2b(digest + ids[i * PAGE_SIZE:(i + 1) * PAGE_SIZE].tobytes(), digest_size=16).digest()
-    hashes.append(digest)
+  for i in range((len(ids) - lookahead) // PAGE_SIZE):
+    end = (i + 1) * PAGE_SIZE
+    digest = hashlib.blake2b(digest + ids[end - PAGE_SIZE:end].tobytes(), digest_size=16).digest()
+    hashes.append(hashlib.blake2b(digest + ids[end:end + lookahead].tobytes(), digest_size=16).digest()
+                  if lookahead else digest)
   return hashes
 
 

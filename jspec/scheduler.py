@@ -27,7 +27,8 @@ each segment every running row is given the pages it may write into during it; w
 youngest request is preempted (its pages freed, it waits at the head of the queue, and later resumes from
 its prompt and the tokens it has emitted, recomputed), as vLLM does. With prefix caching, a request shares
 the cached pages of the longest prefix of its prompt that an earlier request left (`jspec.pages`) and
-prefills only the rest (less the pages a drafter's cache cannot share: `Drafter.unshared_prefix_pages`).
+prefills only the rest (a page keyed with the tokens after it that a drafter's cache reads there:
+`Drafter.prefix_lookahead`).
 """
 from __future__ import annotations
 
@@ -559,8 +560,9 @@ class Engine:
   def _final_pages(self, tokens: Sequence[int], margin: int = 2) -> list[bytes]:
     """The hashes of the full pages of `tokens` whose entries are final in every cache: the target's holds
     all but the last token, and a drafter's cache may trail it by `margin` (a prefill leaves a head
-    drafter's at len - 2)."""
-    return page_hashes(tokens[:max(len(tokens) - margin, 0)])
+    drafter's at len - 2); each keyed with the tokens after it that the drafter's entries read."""
+    lookahead = 0 if self.decoder.drafter is None else self.decoder.drafter.prefix_lookahead
+    return page_hashes(tokens[:max(len(tokens) - margin, 0) + lookahead], lookahead)
 
   def _place(self, b: int, req: Request) -> int | None:
     """Gives slot b the cached pages of `req`'s longest cached prefix and the pages it writes first; returns
@@ -569,8 +571,6 @@ class Engine:
     if table is None:
       return 0
     shared = table.match(self._final_pages(req.prompt_ids)) if self.prefix_caching else []
-    if self.decoder.drafter is not None:
-      shared = shared[:max(len(shared) - self.decoder.drafter.unshared_prefix_pages, 0)]
     table.share(b, shared)
     if not table.grow(b, self._written(req)):
       table.release(b)

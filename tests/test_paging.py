@@ -176,20 +176,25 @@ SYSTEM = [(7 * i) % 200 + 3 for i in range(300)]
 @pytest.mark.parametrize("kind", ["model", "eagle"])  # the target's prefill from a cached prefix in both
 def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
   """Later requests share the first request's full prompt pages (ending mid-page: the rest is prefilled) and
-  get the tokens `generate` gives them; a drafter's cache shares the pages too (EAGLE one less). Prompts
-  go in chunks of a page (the first in three)."""
+  get the tokens `generate` gives them; a drafter's cache shares the pages too (its drafts are `generate`'s),
+  EAGLE's only where the text goes on with the same token (its entry at a page's end reads the next).
+  Prompts go in chunks of a page (the first in three)."""
   target, _ = pair
   draft, spec = _models(kind, pair)
   engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=400, segment_rounds=2,
                              max_prefill_tokens=128)
-  prompts = {"first": SYSTEM + [1, 2], "again": SYSTEM + [9] * 40, "short": SYSTEM[:140]}
+  prompts = {"first": SYSTEM + [1, 2], "again": SYSTEM + [9] * 40, "short": SYSTEM[:140],
+             "diverge": SYSTEM[:256] + [9] * 10}
+  hits = {"first": 0, "again": 256, "short": 128, "diverge": 128 if kind == "eagle" else 256}
   for i, prompt in prompts.items():
+    before = engine.prefix_hits
     engine.add(Request(prompt, 24), i)
     out = _drain(engine)
-    want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=24).token_ids[0]
-    assert [t for d in out[i] for t in d.token_ids] == want, i
-  shared_pages = 2 - (kind == "eagle")
-  assert engine.prefix_hits == shared_pages * 128 + (1 - (kind == "eagle")) * 128
+    want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=24)
+    assert [t for d in out[i] for t in d.token_ids] == want.token_ids[0], i
+    assert engine.prefix_hits - before == hits[i], i
+    # The drafter's cache from the shared pages is its own prefill's: it drafts the same tokens.
+    assert out[i][-1].stats.accepted_tokens == want.request_stats[0].accepted_tokens, i
   assert engine.prefix_queries == sum(map(len, prompts.values()))
   assert engine.page_table.num_free == engine.page_table.pages
 

@@ -88,9 +88,9 @@ class Drafter:
   feature_layers: tuple[int, ...] = ()
   lags_plain_steps: ClassVar[bool] = False  # a plain target step leaves its state behind the text (see max_lag)
   is_draft_model: ClassVar[bool] = False  # its weights are a whole `Model` (a draft model), not heads on the target
-  # The last pages of a cached prefix its cache cannot share (`jspec.pages`): EAGLE's entry at a page's end
-  # reads the next page's first token, which another request's text may not have.
-  unshared_prefix_pages: ClassVar[int] = 0
+  # The tokens after a page that its cache's entries in the page depend on: EAGLE's entry at a page's end
+  # reads the next token, so a cached page is shared only by a text that goes on with the same token.
+  prefix_lookahead: ClassVar[int] = 0
   learning_rate: ClassVar[float | None] = None  # peak rate `python -m jspec.train drafter` uses (None: not offered)
   config: ModelConfig | None  # the shape its weights and cache follow; None: no weights
 

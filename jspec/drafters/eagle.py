@@ -107,7 +107,7 @@ class EagleDrafter(Drafter):
   kind = "eagle"
   learning_rate = 2e-3
   supports_tree = True
-  unshared_prefix_pages = 1
+  prefix_lookahead = 1
 
   @classmethod
   def for_pair(cls, target, draft, spec: SpecConfig) -> EagleDrafter:
