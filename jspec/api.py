@@ -215,7 +215,7 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
                 slots: int | None = DEFAULT_SLOTS, max_len: int | None = None, mesh: Mesh | None = None,
                 shard_draft: bool = True, segment_rounds: int = SEGMENT_ROUNDS, stream_rounds: int = STREAM_ROUNDS,
                 memory_fraction: float = 1.0, attention: str = "auto", pages: int | None = None,
-                prefix_caching: bool = True, max_prefill_tokens: int | None = None) -> Engine:
+                prefix_caching: bool = True, max_prefill_tokens: int | None = None, max_logprobs: int = 0) -> Engine:
   """An online `Engine` over `slots` rows of up to `max_len` tokens each (default: the model's context):
   `add` requests (`jspec.Request`) at any time, from any thread, `abort` them, and `step` it for their
   text deltas. The models, `spec` and `attention` are as for `generate`. Segments run at the narrowest batch width
@@ -227,7 +227,9 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
   `slots=None` takes as many as fit, up to `DEFAULT_SLOTS`. Off a mesh the slots share a pool of `pages`
   KV pages of `jspec.cache.PAGE_SIZE` tokens (default: as many as fit, at most every slot's whole context),
   and with `prefix_caching` a prompt shares the cached pages of its longest prefix an earlier one left;
-  `max_prefill_tokens` bounds the prompt tokens prefilled between two segments (None: whole prompts)."""
+  `max_prefill_tokens` bounds the prompt tokens prefilled between two segments (None: whole prompts).
+  `max_logprobs` > 0 lets requests ask for log-probabilities (`Request.logprobs`), with up to that many of the
+  most likely tokens at each position."""
   if slots is None:
     shapes = make_decoder(target, draft, spec, 1, _mesh_shape(mesh))
     context = max_len or shapes.context_len
@@ -241,4 +243,4 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
     decoder = sharding.place_decoder(mesh, decoder, slots, shard_draft)
   return Engine(decoder, target.tokenizer, slots=slots, max_len=max_len, segment_rounds=segment_rounds,
                 stream_rounds=stream_rounds, memory_fraction=memory_fraction, pages=pages,
-                prefix_caching=prefix_caching, max_prefill_tokens=max_prefill_tokens)
+                prefix_caching=prefix_caching, max_prefill_tokens=max_prefill_tokens, max_logprobs=max_logprobs)

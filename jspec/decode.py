@@ -29,6 +29,7 @@ from jspec.automaton import Automata
 from jspec.control import run_if, run_switch
 from jspec.decoder import Decoder
 from jspec.drafters.base import DraftContext, DrafterState, Proposal, TreeProposal
+from jspec.logprobs import Logprobs
 from jspec.request import Batch
 from jspec.sampling import SamplingParams, is_greedy, next_token, probabilities
 from jspec.settings import AdaptiveConfig
@@ -56,6 +57,7 @@ class DecodeState:
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (none: no EOS, or EOS ignored)
   speculate_B: jax.Array  # bool: row b's drafts may be accepted (else it decodes plainly in every round)
   constraint: Automata | None = None  # each row's constraint and its state (None: no row is constrained)
+  logprobs: Logprobs | None = None  # each committed token's log-probabilities (None: no row can ask)
 
   @property
   def num_emitted(self) -> jax.Array:
@@ -87,7 +89,9 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None,
       stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
                               spec.trace_rounds if drafter is not None else 0),
       stop_BxE=requests.stop_BxE.astype(jnp.int32), speculate_B=requests.speculate_B.astype(bool),
-      constraint=requests.constraint)
+      constraint=requests.constraint,
+      logprobs=None if requests.logprobs_B is None else Logprobs.zeros(requests.logprobs_B, capacity,
+                                                                       requests.top_logprobs))
   # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it), and attends
   # with the kernel of the platform the program is for (a mesh's devices may be another machine's).
   final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
@@ -142,9 +146,10 @@ def _gather(tokens_BxT: jax.Array, index_BxS: jax.Array) -> jax.Array:
   return jnp.take_along_axis(tokens_BxT, index_BxS, axis=1)
 
 
-def _commit(state: DecodeState, candidates_BxS: jax.Array,
-            num_candidates_B: jax.Array) -> tuple[DecodeState, jax.Array]:
-  """Appends each active row's first `num_candidates` tokens, cut after EOS and at max_new_tokens.
+def _commit(state: DecodeState, candidates_BxS: jax.Array, num_candidates_B: jax.Array,
+            logits_BxSxV: jax.Array) -> tuple[DecodeState, jax.Array]:
+  """Appends each active row's first `num_candidates` tokens, cut after EOS and at max_new_tokens, and
+  records their log-probabilities from `logits_BxSxV`, the target's for each candidate, where asked.
 
   Returns the new state and the number of tokens each row emitted.
   """
@@ -161,8 +166,10 @@ def _commit(state: DecodeState, candidates_BxS: jax.Array,
   hit_eos = is_eos.any(1) & (upto_eos <= num_new)
   done = state.done_B | hit_eos | (num_new >= room)
   constraint = None if state.constraint is None else state.constraint.commit(candidates_BxS, num_new)
+  logprobs = None if state.logprobs is None else state.logprobs.record(cols, candidates_BxS, logits_BxSxV,
+                                                                       state.sampling, ~state.done_B)
   return state.replace(tokens_BxT=tokens, seq_lens_B=state.seq_lens_B + num_new, done_B=done,
-                       constraint=constraint), num_new
+                       constraint=constraint, logprobs=logprobs), num_new
 
 
 def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> DecodeState:
@@ -175,7 +182,7 @@ def _target_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> D
     logits = state.constraint.mask(logits, state.constraint.state_B[:, None])
   token = next_token(keys_Bx2, logits[:, 0], state.sampling)
   active = ~state.done_B
-  state, num_new = _commit(state, token[:, None], jnp.ones_like(token))
+  state, num_new = _commit(state, token[:, None], jnp.ones_like(token), logits)
   state = state.replace(target_cache=cache.rewind(state.seq_lens_B - 1),
                         stats=state.stats.count_forward(active, num_new))
   if decoder.drafter is not None:
@@ -204,16 +211,16 @@ def plain_step(decoder: Decoder, state: DecodeState, keys_Bx2: jax.Array) -> Dec
 
 def _accept(decoder: Decoder, state: DecodeState, drafts_BxL: jax.Array, n_accepted_B: jax.Array,
             token_B: jax.Array, counted_B: jax.Array, target_cache: kvcache.KVCache, hidden_BxL1xD: jax.Array,
-            n_B: jax.Array) -> DecodeState:
+            n_B: jax.Array, logits_BxL1xV: jax.Array) -> DecodeState:
   """The end of every verify, chain or tree: commits each row's first `n_accepted` drafts and the token
-  after them, counts the round (rows in `counted` as verified), rewinds the target's cache (whose first
-  L1 entries past n-1 hold the pending token and the drafts) to the new text, and tells the drafter what
-  the target saw at those entries."""
+  after them (the target's logits for each: `logits_BxL1xV`), counts the round (rows in `counted` as
+  verified), rewinds the target's cache (whose first L1 entries past n-1 hold the pending token and the
+  drafts) to the new text, and tells the drafter what the target saw at those entries."""
   depth = drafts_BxL.shape[1]
   candidates_BxL1 = jnp.concatenate([drafts_BxL, token_B[:, None]], axis=1)
   candidates_BxL1 = jnp.where(jnp.arange(depth + 1) == n_accepted_B[:, None], token_B[:, None], candidates_BxL1)
   active = ~state.done_B
-  state, num_new = _commit(state, candidates_BxL1, n_accepted_B + 1)
+  state, num_new = _commit(state, candidates_BxL1, n_accepted_B + 1, logits_BxL1xV)
   stats = state.stats.count_forward(active, num_new).count_verify(active & counted_B, n_accepted_B, depth)
   state = state.replace(target_cache=target_cache.rewind(state.seq_lens_B - 1), stats=stats)
   return _observe(decoder, state, hidden_BxL1xD, n_B)
@@ -241,7 +248,7 @@ def verify_step(decoder: Decoder, state: DecodeState, proposal: Proposal, keys_B
                        probabilities(logits_BxK1xV, state.sampling)))
   has_draft = proposal.has_draft_B & state.speculate_B
   n_accepted, token = _plain_where_no_draft(has_draft, n_accepted, token, keys_Bx2, logits_BxK1xV, state)
-  return _accept(decoder, state, draft_BxK, n_accepted, token, has_draft, target_cache, hidden, n)
+  return _accept(decoder, state, draft_BxK, n_accepted, token, has_draft, target_cache, hidden, n, logits_BxK1xV)
 
 
 def _plain_where_no_draft(has_draft_B: jax.Array, n_accepted_B: jax.Array, token_B: jax.Array, keys_Bx2: jax.Array,
@@ -277,7 +284,7 @@ def tree_verify_step(decoder: Decoder, state: DecodeState, proposal: TreeProposa
   target_cache = tree.compact(target_cache, n - 1, path_BxL1)
   hidden_BxL1xD = jnp.take_along_axis(hidden, path_BxL1[:, :, None], axis=1)
   return _accept(decoder, state, _gather(chunk_BxM1, path_BxL1[:, 1:]), n_accepted, token, state.speculate_B,
-                 target_cache, hidden_BxL1xD, n)
+                 target_cache, hidden_BxL1xD, n, jnp.take_along_axis(logits_BxM1xV, path_BxL1[:, :, None], axis=1))
 
 
 def _draft_tree_and_verify(decoder: Decoder, state: DecodeState) -> DecodeState:

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import decode, executables
 from jspec.decoder import Decoder
+from jspec.logprobs import Logprobs
 from jspec.request import Batch
 from jspec.rows import insert, prefill_pages, run_rows
 from jspec.stats import DecodeStats
@@ -53,19 +54,25 @@ def lower(decoder: Decoder, requests: Batch) -> Any:
 
 
 class Report(NamedTuple):
-  """What a segment hands the host: every row's tokens and length, which rows are done, the statistics."""
+  """What a segment hands the host: every row's tokens and length, which rows are done, the statistics,
+  and the log-probabilities of the tokens it committed (`window` slots from each row's length before it;
+  None: no row can ask)."""
   tokens_BxT: jax.Array
   seq_lens_B: jax.Array
   done_B: jax.Array
   stats: DecodeStats
+  logprobs: Logprobs | None
 
 
 def _segment(decoder: Decoder, state: decode.DecodeState, max_rounds: jax.Array, stop_at_finish: jax.Array,
-             retire_B: jax.Array, *, width: int) -> tuple[decode.DecodeState, Report]:
+             retire_B: jax.Array, *, width: int, window: int = 1) -> tuple[decode.DecodeState, Report]:
   """A segment of the loop over the first `width` rows (`run_rows`), and the part of its state the host
-  reads: buffers of their own, so the host can read them while the next segment updates the state."""
+  reads: buffers of their own, so the host can read them while the next segment updates the state. A
+  segment commits at most `window` tokens a row (its rounds times a round's most)."""
+  before_B = state.seq_lens_B
   state = run_rows(decoder, state, max_rounds, stop_at_finish, retire_B, width=width)
-  return state, Report(state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats)
+  scored = None if state.logprobs is None else state.logprobs.window(before_B, window)
+  return state, Report(state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats, scored)
 
 
 
@@ -73,7 +80,7 @@ def _segment(decoder: Decoder, state: decode.DecodeState, max_rounds: jax.Array,
 # of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
 # place on accelerators, and the caller holds only what each call returns.
 start = jax.jit(decode.start, static_argnames="capacity")
-segment = jax.jit(_segment, static_argnames="width", donate_argnames="state")
+segment = jax.jit(_segment, static_argnames=("width", "window"), donate_argnames="state")
 insert = jax.jit(insert, donate_argnames="state")
 prefill_pages = jax.jit(prefill_pages, donate_argnames="state")
 

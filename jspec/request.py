@@ -45,6 +45,10 @@ class Batch:
   # `prefill_width` (static) tokens from there (paged caches only).
   cached_B: jax.Array | None = None  # int32
   prefill_width: int | None = flax.struct.field(pytree_node=False, default=None)
+  # Log-probabilities (`jspec.logprobs`): row b's are recorded if logprobs_B[b], with the `top_logprobs`
+  # (static) most likely tokens at each position; None: no buffers.
+  logprobs_B: jax.Array | None = None  # bool
+  top_logprobs: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def prompt_bucket(length: int) -> int:
@@ -114,7 +118,8 @@ def make_batch(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_to
                   width: int | None = None, capacity_slots: int | None = None, stop_width: int | None = None,
                   speculate: bool | Sequence[bool] = True,
                   constraints: Sequence[Tables | None] | None = None,
-                  constraint_shape: tuple[int, int] | None = None) -> Batch:
+                  constraint_shape: tuple[int, int] | None = None,
+                  logprobs: Sequence[bool] | None = None, top_logprobs: int = 1) -> Batch:
   """The requests for `prompt_ids` (token-id lists), checked against `decoder` (`check_prompts`).
 
   Prompts are right-padded to their bucket (`prompt_bucket`, or `width`); the capacity is what the widest
@@ -124,7 +129,8 @@ def make_batch(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_to
   one per row) False makes a row decode plainly. `constraints` (compiled `jspec.constraints` tables, or None
   for a free row) constrain what each row outputs, in automata of `constraint_shape` (states, classes; a
   running batch's, for inserted rows; default: the smallest bucket that holds them); with neither, no row
-  is constrained and the loop has no automata."""
+  is constrained and the loop has no automata. `logprobs` (one per row) records a row's log-probabilities
+  with the `top_logprobs` most likely tokens at each position (`jspec.logprobs`); None: none are."""
   check_prompts(decoder, prompt_ids, max_new_tokens)
   batch, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
   width = width or prompt_bucket(longest)
@@ -146,7 +152,8 @@ def make_batch(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_to
                   sampling=sampling_arrays(sampling, batch), seeds_B=seed_array(seed, batch),
                   stop_BxE=stop_table(stops, batch, stop_width),
                   speculate_B=np.broadcast_to(np.asarray(speculate, bool), (batch,)).copy(), constraint=automata,
-                  capacity=slots)
+                  capacity=slots, logprobs_B=None if logprobs is None else np.asarray(logprobs, bool),
+                  top_logprobs=top_logprobs if logprobs is not None else 0)
 
 
 # The names of the previous release (a `Batch` holds many `jspec.Request`s' rows; it is not one of them).

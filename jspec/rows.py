@@ -36,8 +36,10 @@ def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, i
   """`_row_blocks` for a running state: requests of its shapes."""
   capacity, stop_width = state.tokens_BxT.shape[1], state.stop_BxE.shape[1]
   shape = None if state.constraint is None else state.constraint.bucket
-  requests = make_batch(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width,
-                                   constraint_shape=shape)
+  scored = state.logprobs
+  requests = make_batch(decoder, [[0]], 1, capacity_slots=capacity, stop_width=stop_width, constraint_shape=shape,
+                        logprobs=None if scored is None else [False],
+                        top_logprobs=0 if scored is None else scored.top_BxTxN.shape[-1])
   table = state.target_cache.page_table
   if table is not None:  # a pool is batch-wide; its page table is per row
     requests = requests.replace(page_table_BxR=table[:1], pages=state.target_cache.k[0].shape[0])

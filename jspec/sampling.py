@@ -59,16 +59,29 @@ def argmax(logits: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(logits == best, index, logits.shape[-1] - 1), axis=-1)
 
 
-def probabilities(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
-  """The distribution each row samples from at each of S positions, fp32 [B,S,V]."""
+def _processed(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
+  """fp32 logits at each row's temperature (1 for greedy rows), outside its top-k and top-p masked."""
   logits_BxSxV = logits_BxSxV.astype(jnp.float32)
   temperature = params.temperature[:, None, None]
   scaled = logits_BxSxV / jnp.where(temperature > 0, temperature, 1.0)
   filtering = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
   # Sorting V logits is the costly part; skip it when no row asks for it.
-  scaled = lax.cond(filtering, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p)
+  return lax.cond(filtering, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p)
+
+
+def probabilities(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
+  """The distribution each row samples from at each of S positions, fp32 [B,S,V]."""
   greedy = jax.nn.one_hot(argmax(logits_BxSxV), logits_BxSxV.shape[-1], dtype=jnp.float32)
-  return jnp.where(temperature > 0, jax.nn.softmax(scaled, axis=-1), greedy)
+  return jnp.where(params.temperature[:, None, None] > 0, jax.nn.softmax(_processed(logits_BxSxV, params), -1),
+                   greedy)
+
+
+def log_probabilities(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
+  """The log-probabilities a client is told of, fp32 [B,S,V]: those of the distribution a sampled row draws
+  from (-inf outside its top-k and top-p), and of the model's own distribution for a greedy row (whose
+  sampling distribution is a one-hot)."""
+  raw = logits_BxSxV.astype(jnp.float32)
+  return jax.nn.log_softmax(jnp.where(params.temperature[:, None, None] > 0, _processed(raw, params), raw), -1)
 
 
 def is_greedy(params: SamplingParams) -> jax.Array:

@@ -44,10 +44,11 @@ from collections.abc import Hashable, Iterator, Sequence
 import jax
 import numpy as np
 
-from jspec import automaton, constraints, machine, memory, programs, request, sharding
+from jspec import automaton, constraints, logprobs, machine, memory, programs, request, sharding
 from jspec import cache as kvcache
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder
+from jspec.logprobs import TokenLogprob
 from jspec.pages import NULL_PAGE, PageTable, page_hashes, pages_for
 from jspec.request import GREEDY
 from jspec.settings import SamplingConfig
@@ -67,7 +68,9 @@ class Request:
   """One request as the engine takes it. `stop`: strings that end the text (checked on the text; the
   stop string is not returned); `stop_ids`: tokens that end it besides the target's EOS tokens (which
   `ignore_eos` drops); `speculate` False decodes this request plainly; `constraint` restricts its output
-  (`jspec.generate` says how); `stream`: someone watches its text arrive (short segments while it runs)."""
+  (`jspec.generate` says how); `stream`: someone watches its text arrive (short segments while it runs).
+  `logprobs`: each emitted token's log-probability with that many of the most likely tokens at its position
+  (`jspec.logprobs`; at most the engine's `max_logprobs`); `prompt_logprobs`: the prompt's, likewise."""
   prompt_ids: Sequence[int]
   max_new_tokens: int
   sampling: SamplingConfig = GREEDY
@@ -78,6 +81,8 @@ class Request:
   speculate: bool = True
   constraint: Constraint | None = None
   stream: bool = False
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +96,8 @@ class Delta:
   finished: bool = False
   stats: RequestStats | None = None
   finish_reason: str | None = None
+  logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asks
+  prompt_logprobs: list[TokenLogprob] | None = None  # in the request's first delta, when it asks
 
 
 class _Text:
@@ -126,17 +133,23 @@ class _Running:
   emitted: list[int] = dataclasses.field(default_factory=list)  # tokens of `request`'s output handed out
   unread_rounds: int = 0  # rounds of segments set going for it whose tokens the host has not read
   cached: int = 0  # prompt tokens its prefill found in the prefix cache
+  prompt_logprobs: list[TokenLogprob] | None = None  # scored at its start, until its first delta
 
   @property
   def sent(self) -> int:
     return len(self.emitted)
+
+  def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+    """The prompt's log-probabilities, once: for the request's first delta."""
+    scored, self.prompt_logprobs = self.prompt_logprobs, None
+    return scored
 
   def resumed(self) -> _Running:
     """The request to restart after a preemption: its prompt and output so far, recomputed."""
     req = self.request
     tables = self.tables if self.tables is None else automaton.advanced(self.tables, self.emitted)
     request = dataclasses.replace(req, prompt_ids=[*req.prompt_ids, *self.emitted],
-                                  max_new_tokens=req.max_new_tokens - len(self.emitted))
+                                  max_new_tokens=req.max_new_tokens - len(self.emitted), prompt_logprobs=None)
     return dataclasses.replace(self, request=request, tables=tables, emitted=[], unread_rounds=0)
 
 
@@ -166,7 +179,8 @@ class Engine:
   def __init__(self, decoder: Decoder, tokenizer, *, slots: int, max_len: int | None = None,
                segment_rounds: int = SEGMENT_ROUNDS, stream_rounds: int = STREAM_ROUNDS, narrow: bool = True,
                memory_fraction: float = 1.0,
-               pages: int | None = None, prefix_caching: bool = True, max_prefill_tokens: int | None = None):
+               pages: int | None = None, prefix_caching: bool = True, max_prefill_tokens: int | None = None,
+               max_logprobs: int = 0):
     for name, rounds in (("segment_rounds", segment_rounds), ("stream_rounds", stream_rounds)):
       if not (isinstance(rounds, int) and rounds >= 1):
         raise ValueError(f"{name} must be an integer >= 1, got {rounds}")
@@ -197,6 +211,9 @@ class Engine:
       memory.check(decoder, slots, max_len, max_len - 1, layout.mesh, not layout.draft_replicated, serving=True,
                    memory=budget)
     self.num_preemptions = 0
+    if not (isinstance(max_logprobs, int) and 0 <= max_logprobs <= logprobs.MAX_TOP):
+      raise ValueError(f"max_logprobs must be an integer in [0, {logprobs.MAX_TOP}], got {max_logprobs}")
+    self.max_logprobs = max_logprobs
     self.prefix_caching = prefix_caching and self.page_table is not None
     self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found cached
     if max_prefill_tokens is not None and not (isinstance(max_prefill_tokens, int) and max_prefill_tokens >= 1):
@@ -256,6 +273,13 @@ class Engine:
                        f"max_tokens and a round's headroom); the pool holds {self.page_table.pages}")
     if not all(isinstance(s, str) for s in req.stop):
       raise ValueError("stop strings must be strings")
+    for name in ("logprobs", "prompt_logprobs"):
+      value = getattr(req, name)
+      if value is not None and not self.max_logprobs:
+        raise ValueError(f"{name}: this engine records no log-probabilities (max_logprobs=0)")
+      if value is not None and not (isinstance(value, int) and 0 <= value <= self.max_logprobs):
+        raise ValueError(f"{name} must be an integer in [0, {self.max_logprobs}] (the engine's max_logprobs), "
+                         f"got {value}")
     self._tables(req)
 
   def _tables(self, req: Request) -> constraints.Tables | None:
@@ -353,10 +377,10 @@ class Engine:
     # The narrowest width that holds the busy rows; while its program compiles in the background, the
     # narrowest wider one that is ready.
     fits = [w for w in self.widths if w > busy]
-    narrowest = self._executable("segment", programs.segment, args, False, width=fits[0])
-    ready = [w for w in fits if self._key("segment", args, {"width": w}) in self._executables]
+    narrowest = self._executable("segment", programs.segment, args, False, **self._segment_static(fits[0]))
+    ready = [w for w in fits if self._key("segment", args, self._segment_static(w)) in self._executables]
     width = fits[0] if narrowest is not None or not ready else ready[0]
-    self._state, report = self._call("segment", programs.segment, *args, width=width)
+    self._state, report = self._call("segment", programs.segment, *args, **self._segment_static(width))
     self._retire_B[:] = False
     for run in self._running:
       if run is not None:
@@ -374,7 +398,10 @@ class Engine:
 
   def _read_one(self, segment: _Segment) -> list[Delta]:
     deltas = []
-    tokens, seq_lens, done, stats = jax.device_get(segment.report)
+    report = segment.report
+    tokens, seq_lens, done, stats = jax.device_get((report.tokens_BxT, report.seq_lens_B, report.done_B, report.stats))
+    asked = any(run is not None and run.request.logprobs is not None for run in segment.runs)
+    scores = jax.device_get(report.logprobs) if asked else None
     now = time.perf_counter()
     # The device ran it from its dispatch or from the end of the segment before, whichever was later.
     self.last_segment_seconds = now - max(segment.dispatched, self._last_read)
@@ -389,21 +416,29 @@ class Engine:
       run.emitted.extend(new_ids)
       run.unread_rounds -= segment.rounds
       text, stopped = run.text.push(new_ids, final=bool(done[b]))
+      top = run.request.logprobs
+      scored = None if top is None else logprobs.read(scores, b, 0, new_ids, top)  # from `start`
       if stopped or done[b]:
         reason = "stop" if stopped or (new_ids and new_ids[-1] in run.stop_ids) else "length"
-        deltas.append(self._finish(b, text, new_ids, reason))
+        deltas.append(self._finish(b, text, new_ids, reason, scored))
       elif new_ids:
-        deltas.append(Delta(run.id, text, new_ids))
+        deltas.append(Delta(run.id, text, new_ids, logprobs=scored, prompt_logprobs=run.take_prompt_logprobs()))
     return deltas
+
+  def _segment_static(self, width: int) -> dict:
+    """The segment program's static arguments: its width, and the most tokens a row commits in a longest
+    segment (whose log-probabilities it hands back)."""
+    return {"width": width, "window": self.segment_rounds * (self.decoder.draft_len + 1)}
 
   def _segment_args(self, rounds: int) -> tuple:
     return (self.decoder, self._state, np.int32(rounds), np.asarray(bool(self._waiting)), self._retire_B.copy())
 
-  def _finish(self, b: int, text: str, new_ids: list[int], reason: str) -> Delta:
+  def _finish(self, b: int, text: str, new_ids: list[int], reason: str,
+              scored: list[TokenLogprob] | None = None) -> Delta:
     run = self._running[b]
     stats = None if self._device_stats is None else RequestStats.of_row(self._device_stats, b, run.sent)
     self._vacate(b)
-    return Delta(run.id, text, new_ids, True, stats, reason)
+    return Delta(run.id, text, new_ids, True, stats, reason, scored, run.take_prompt_logprobs())
 
   def _vacate(self, b: int) -> None:
     """Ends slot b's row at the next segment and lets go of its pages, caching the full ones its text fills
@@ -550,6 +585,10 @@ class Engine:
     """Starts `run`'s request decoding in slot b (`_insert_args`)."""
     req = run.request
     self._state = self._call("insert", programs.insert, *args)
+    if req.prompt_logprobs is not None:
+      run.prompt_logprobs = logprobs.score_prompt(
+          self.decoder.target_params, self.decoder.target_config, req.prompt_ids,
+          min(request.prompt_bucket(len(req.prompt_ids)), self.prompt_width), req.prompt_logprobs)
     self.prefix_hits += run.cached
     self.last_prefill_seconds[-1] += self._chunk_seconds.pop(b, 0.0)
     self._running[b] = run
@@ -603,7 +642,9 @@ class Engine:
         sampling=[r.sampling for r in reqs], seed=[r.seed for r in reqs], stop_ids=stop_ids,
         capacity_slots=self.capacity, stop_width=self.stop_width, speculate=[r.speculate for r in reqs],
         constraints=tables if any(t is not None for t in tables) else None,
-        constraint_shape=self._constraint_shape, width=self.prompt_width if width is not None else None)
+        constraint_shape=self._constraint_shape, width=self.prompt_width if width is not None else None,
+        logprobs=[r.logprobs is not None for r in reqs] if self.max_logprobs else None,
+        top_logprobs=self.max_logprobs)
     requests = requests.replace(max_new_tokens_B=np.asarray([r.max_new_tokens for r in reqs], np.int32))
     if self.page_table is not None:
       table = self.page_table.table
@@ -658,7 +699,8 @@ class Engine:
     if not ahead:
       return []
     for width in self.widths:
-      self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), False, width=width)
+      self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), False,
+                       **self._segment_static(width))
     for n in self._prompt_lens():
       warm = Request([0] * n, 1)
       if self.page_table is None or pages_for(self._written(warm, 1)) <= self.page_table.pages:
@@ -676,7 +718,8 @@ class Engine:
     before = len(self._executables)
     if self._state is None:
       self._start()
-    self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), width=self.slots)
+    self._executable("segment", programs.segment, self._segment_args(self.segment_rounds),
+                     **self._segment_static(self.slots))
     return len(self._executables) - before
 
   def _start(self) -> None:

@@ -12,6 +12,8 @@ import subprocess
 import time
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 
@@ -125,6 +127,31 @@ def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(server, clien
   assert plain.usage.completion_tokens == 30
 
 
+def test_logprobs_and_echo_are_the_targets(server, client, target):
+  """Each token's log-probability and the top ones at its position are the target's (a full forward's),
+  streamed or whole; echo with max_tokens 0 scores the prompt (lm-evaluation-harness's loglikelihood)."""
+  prompt_ids = tokenizer.encode(target.tokenizer, PROMPTS[0])
+  text, ids = greedy(target, PROMPTS[0], 12)
+  reference = np.asarray(jax.nn.log_softmax(testing.full_logits(target, [prompt_ids + ids])[0], -1))
+  out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=3)
+  lp = out.choices[0].logprobs
+  assert out.choices[0].text == text == "".join(lp.tokens)
+  np.testing.assert_allclose(lp.token_logprobs, reference[len(prompt_ids) - 1:][np.arange(len(ids)), ids], atol=1e-5)
+  assert all(len(top) == 3 and max(top.values()) == pytest.approx(t) for top, t in zip(lp.top_logprobs,
+                                                                                          lp.token_logprobs))
+  assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(ids))]
+  chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=3,
+                                          stream=True))
+  assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+      lp.token_logprobs
+  scored = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
+  lp = scored.choices[0].logprobs
+  assert scored.choices[0].text == PROMPTS[0] and scored.usage.completion_tokens == 0
+  assert lp.token_logprobs[0] is None and len(lp.tokens) == len(prompt_ids)
+  np.testing.assert_allclose(lp.token_logprobs[1:], reference[np.arange(len(prompt_ids) - 1), prompt_ids[1:]],
+                             atol=1e-5)
+
+
 def test_chat_needs_a_template(server, client):
   with pytest.raises(openai.BadRequestError, match="no chat template"):
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
@@ -132,14 +159,15 @@ def test_chat_needs_a_template(server, client):
 
 BAD = [
     ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
     ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "stop": "a" * 257}, 400, None),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, None),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "seed": 2 ** 70}, 400, "seed"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
     ({"model": MODEL, "prompt": "x", "messages": []}, 400, "messages"),
@@ -338,11 +366,15 @@ def test_chat_completions_through_a_model_with_a_template_behind_a_key_over_tls(
     assert tls.get(f"{url}/metrics").status_code == tls.get(f"{url}/health").status_code == 200
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, http_client=tls)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                         logprobs=True, top_logprobs=2)
     prompt = template.render_messages(messages)
     ids = jspec.generate(model, [prompt], max_new_tokens=12).token_ids[0]
     assert out.choices[0].message.content == tokenizer.detokenize(model.tokenizer, ids)
     assert out.choices[0].message.role == "assistant"
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(ids) and all(bytes(c.bytes).decode(errors="replace") == c.token for c in content)
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob for c in content)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"

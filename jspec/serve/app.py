@@ -20,13 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from jspec.logprobs import TokenLogprob
 from jspec.model import Model
-from jspec.scheduler import Request
+from jspec.scheduler import Delta, Request
 from jspec.serve import protocol
 from jspec.serve.loop import EngineLoop
 from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from jspec.serve.startup import Startup
-from jspec.tokenizer import encode
+from jspec.tokenizer import detokenize, encode
 
 DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when not given (OpenAI's default)
 MAX_BODY_BYTES = 4 << 20  # a /v1 request's body
@@ -68,12 +69,40 @@ class _Guard:
     await self.app(scope, receive, send)
 
 
+class _Choice:
+  """One choice's output as the client sees it: with echo, its prompt's text and log-probabilities first;
+  with max_tokens 0 (the engine runs one token for it), none of the engine's."""
+
+  def __init__(self, echo: str | None, keep_output: bool):
+    self.echo, self.keep_output = echo, keep_output
+    self.text, self.tokens, self.scored = "", 0, None
+    self.reason, self.stats = None, None
+
+  def add(self, delta: Delta) -> tuple[str, list[TokenLogprob] | None, int]:
+    """The delta as the client sees it: its text, its tokens' log-probabilities, and the characters of the
+    choice's text before them (accumulated for the whole response)."""
+    text, scored = (delta.text, delta.logprobs) if self.keep_output else ("", delta.logprobs and [])
+    if self.echo is not None:
+      text, self.echo = self.echo + text, None
+      if delta.prompt_logprobs is not None:
+        scored = delta.prompt_logprobs + (scored or [])
+    offset = len(self.text)
+    self.text += text
+    self.tokens += len(delta.token_ids) if self.keep_output else 0
+    if scored is not None:
+      self.scored = (self.scored or []) + scored
+    if delta.finished:
+      self.reason, self.stats = delta.finish_reason, delta.stats
+    return text, scored, offset
+
+
 def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
   """The app over the server that `startup` starts: until it can serve, `/health` and every `/v1` route
   answer 503 with what it is doing. With `api_key`, every `/v1` route needs `Authorization: Bearer
   <api_key>` (checked in constant time); `/health` and `/metrics` stay open."""
   model_name = startup.metrics.model_name
   checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jspec-check")
+  spellings: dict = {}  # the target's tokens as log-probabilities show them (read once, on first use)
 
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI):
@@ -133,24 +162,33 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
     if name != model_name:
       raise APIError(404, f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
 
-  def engine_request(body, prompt_ids: list[int], max_tokens: int, seed: int) -> Request:
+  def engine_request(body, prompt_ids: list[int], max_tokens: int, seed: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> Request:
     try:
-      return Request(prompt_ids, max_tokens, body.sampling(), seed, body.stops, body.stop_token_ids or (),
-                     body.ignore_eos, body.speculate, body.constraint(), body.stream)
+      return Request(prompt_ids, max(max_tokens, 1), body.sampling(), seed, body.stops, body.stop_token_ids or (),
+                     body.ignore_eos, body.speculate, body.constraint(), body.stream, logprobs, prompt_logprobs)
     except ValueError as e:
       raise APIError(400, str(e)) from None
+
+  def response(chat: bool, target: Model) -> protocol.Response:
+    spelling = spellings.setdefault("target", protocol.Spelling(target.tokenizer))
+    return protocol.Response(chat, model_name, spelling)
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, http: HTTPRequest):
     _, target = serving()
     check_model(body.model)
     seed = body.seed_value()
-    requests = []
+    requests, choices = [], []
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     for i, prompt in enumerate(body.prompts):  # choice i * n + j: prompt i's j-th
       ids = encode(target.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
-      requests += [engine_request(body, ids, body.max_tokens or DEFAULT_MAX_TOKENS, (seed + i * body.n + j) % 2 ** 32)
-                   for j in range(body.n)]
-    return await respond(body, requests, protocol.Response(False, model_name), http)
+      echo = (prompt if isinstance(prompt, str) else detokenize(target.tokenizer, ids)) if body.echo else None
+      for j in range(body.n):
+        requests.append(engine_request(body, ids, max_tokens, (seed + i * body.n + j) % 2 ** 32, body.logprobs,
+                                       body.prompt_logprobs))
+        choices.append(_Choice(echo, max_tokens > 0))
+    return await respond(body, requests, choices, response(False, target), http)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
@@ -167,10 +205,12 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
       raise APIError(400, f"the conversation has {len(ids)} tokens; the model's context is {loop.engine.max_len} "
                           "tokens", "messages")
     seed = body.seed_value()
-    requests = [engine_request(body, ids, body.token_limit or room, (seed + j) % 2 ** 32) for j in range(body.n)]
-    return await respond(body, requests, protocol.Response(True, model_name), http)
+    requests = [engine_request(body, ids, body.token_limit or room, (seed + j) % 2 ** 32, body.logprobs_top)
+                for j in range(body.n)]
+    return await respond(body, requests, [_Choice(None, True) for _ in requests], response(True, target), http)
 
-  async def respond(body, requests: list[Request], response: protocol.Response, http: HTTPRequest):
+  async def respond(body, requests: list[Request], choices: list[_Choice], response: protocol.Response,
+                    http: HTTPRequest):
     loop, _ = serving()
     engine = loop.engine
     try:
@@ -181,13 +221,12 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
       raise APIError(400, str(e)) from None
     prompt_tokens = sum(len(r.prompt_ids) for r in requests[::body.n])  # a prompt counts once for its n choices
     if body.stream:
-      return StreamingResponse(stream(loop, ids, queue, response, prompt_tokens, body.include_usage),
+      return StreamingResponse(stream(loop, ids, queue, choices, response, prompt_tokens, body.include_usage),
                                media_type="text/event-stream")
-    return await whole(loop, ids, queue, response, prompt_tokens, http)
+    return await whole(loop, ids, queue, choices, response, prompt_tokens, http)
 
-  async def whole(loop: EngineLoop, ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int,
-                  http: HTTPRequest):
-    texts, reasons, stats, tokens = [""] * len(ids), [None] * len(ids), [None] * len(ids), [0] * len(ids)
+  async def whole(loop: EngineLoop, ids, queue: asyncio.Queue, choices: list[_Choice], response: protocol.Response,
+                  prompt_tokens: int, http: HTTPRequest):
     left, checked = len(ids), time.monotonic()
     try:
       while left:
@@ -201,19 +240,19 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
           continue
         if isinstance(delta, APIError):
           raise delta
-        texts[index] += delta.text
-        tokens[index] += len(delta.token_ids)
-        if delta.finished:
-          reasons[index], stats[index], left = delta.finish_reason, delta.stats, left - 1
+        choices[index].add(delta)
+        left -= delta.finished
     finally:
       if left:
         loop.abort(ids)
-    return response.body(texts, reasons, prompt_tokens, sum(tokens), [s for s in stats if s is not None])
+    return response.body([c.text for c in choices], [c.reason for c in choices], prompt_tokens,
+                         sum(c.tokens for c in choices), [c.stats for c in choices if c.stats is not None],
+                         [response.logprobs(c.scored) for c in choices])
 
-  async def stream(loop: EngineLoop, ids, queue: asyncio.Queue, response: protocol.Response, prompt_tokens: int,
-                   include_usage: bool) -> AsyncIterator[str]:
+  async def stream(loop: EngineLoop, ids, queue: asyncio.Queue, choices: list[_Choice], response: protocol.Response,
+                   prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
     event = lambda obj: f"data: {json.dumps(obj)}\n\n"
-    left, tokens, stats = len(ids), 0, []
+    left = len(ids)
     try:
       if response.chat:
         yield event(response.chunk(0, first=True))
@@ -222,14 +261,13 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
         if isinstance(delta, APIError):
           yield event(delta.body())
           return
-        tokens += len(delta.token_ids)
-        if delta.text or delta.finished:
-          yield event(response.chunk(index, delta))
-        if delta.finished:
-          left -= 1
-          stats += [delta.stats] if delta.stats is not None else []
+        text, scored, offset = choices[index].add(delta)
+        if text or scored or delta.finished:
+          yield event(response.chunk(index, delta, text=text, logprobs=response.logprobs(scored, offset)))
+        left -= delta.finished
       if include_usage:
-        yield event(response.usage_chunk(prompt_tokens, tokens, stats))
+        yield event(response.usage_chunk(prompt_tokens, sum(c.tokens for c in choices),
+                                         [c.stats for c in choices if c.stats is not None]))
       yield "data: [DONE]\n\n"
     finally:  # also when the client left: the response task is cancelled at its await
       if left:

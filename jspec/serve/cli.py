@@ -13,7 +13,7 @@ import signal
 import threading
 
 import jspec
-from jspec import flags
+from jspec import flags, logprobs
 from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS
 
 EXAMPLES = """examples:
@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
                  help="do not measure the pair's cost model once ready when none is kept for it (python -m "
                       "jspec.calibrate; a measured one applies from the next start); adaptive speculation uses "
                       "the checkpoint's or neutral figures")
+  g.add_argument("--max-logprobs", type=int, default=logprobs.MAX_TOP, metavar="N",
+                 help="the most log-probabilities a token may come with (logprobs, top_logprobs); 0: none, and no "
+                      "buffers for them")
   g.add_argument("--max-queue", type=int, default=256, metavar="N",
                  help="requests that may wait for a slot; past it, requests get 503 and Retry-After")
   g.add_argument("--segment-rounds", type=int, default=SEGMENT_ROUNDS, metavar="R",

@@ -1,11 +1,13 @@
 """The OpenAI request and response shapes the server speaks, as the official `openai` client sends and
 reads them, with vLLM's extra fields (`top_k`, `ignore_eos`, `seed`, `stop_token_ids`, and structured
 output's `guided_regex`, `guided_choice`, `guided_json` beside OpenAI's `response_format`) and jspec's
-`speculate` (False: decode this request plainly).
+`speculate` (False: decode this request plainly). Log-probabilities (`logprobs`, `top_logprobs`, `echo`)
+are the target's (`jspec.logprobs`), in OpenAI's shapes: the completions route's token lists, the chat
+route's `content` entries with their bytes.
 
 Requests are validated strictly: wrong types, out-of-range values and fields the endpoint does not take
 are errors (HTTP 400 with an OpenAI error body), never silently ignored. Fields the engine cannot honour
-(log probabilities, penalties) are accepted only at their neutral values. What one request may ask is
+(penalties) are accepted only at their neutral values. What one request may ask is
 bounded (`MAX_N` choices, `MAX_STOPS` stop strings of `MAX_STOP_CHARS`; the server bounds the body's size).
 """
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jspec.constraints import JSON_OBJECT, Choice, Constraint, JsonSchema, Regex
+from jspec.logprobs import MAX_TOP, TokenLogprob
 from jspec.scheduler import Delta
 from jspec.settings import SamplingConfig
 from jspec.stats import RequestStats
+from jspec.tokenizer import token_bytes
 
 MAX_SEED = 2 ** 63
 MAX_N = 16  # choices one request may ask for
@@ -150,8 +154,9 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
   prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt's log-probabilities only
   echo: bool = False
-  logprobs: int | None = None
+  logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
   suffix: str | None = None
   best_of: int | None = None
 
@@ -159,9 +164,15 @@ class CompletionRequest(_Sampling):
   def _supported(self):
     if isinstance(self.prompt, list) and not self.prompt:
       raise ValueError("prompt must not be an empty list")
-    _unsupported(echo=self.echo, logprobs=self.logprobs is not None, suffix=self.suffix is not None,
-                 best_of=self.best_of not in (None, 1))
+    if self.max_tokens == 0 and not self.echo:
+      raise ValueError("max_tokens 0 needs echo (it returns only the prompt)")
+    _unsupported(suffix=self.suffix is not None, best_of=self.best_of not in (None, 1))
     return self
+
+  @property
+  def prompt_logprobs(self) -> int | None:
+    """The prompt's log-probabilities asked for (echo with logprobs), with that many alternatives."""
+    return self.logprobs if self.echo else None
 
   @property
   def prompts(self) -> list[str | list[int]]:
@@ -191,12 +202,18 @@ class ChatCompletionRequest(_Sampling):
   messages: list[ChatMessage] = Field(min_length=1)
   max_completion_tokens: int | None = Field(None, ge=1)
   logprobs: bool = False
-  top_logprobs: int | None = None
+  top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
 
   @model_validator(mode="after")
-  def _supported(self):
-    _unsupported(logprobs=self.logprobs, top_logprobs=self.top_logprobs is not None)
+  def _top_needs_logprobs(self):
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ValueError("top_logprobs needs logprobs: true")
     return self
+
+  @property
+  def logprobs_top(self) -> int | None:
+    """The log-probabilities asked for, with that many alternatives (None: none)."""
+    return (self.top_logprobs or 0) if self.logprobs else None
 
   @property
   def token_limit(self) -> int | None:
@@ -218,11 +235,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
           "total_tokens": prompt_tokens + completion_tokens}
 
 
+class Spelling:
+  """Each token's bytes and text as log-probabilities show them (OpenAI's "bytes:\\xNN" for bytes that
+  are not whole UTF-8 characters); the vocabulary's bytes are read on first use."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer, self._bytes = tokenizer, None
+
+  def bytes(self, token_id: int) -> bytes:
+    if self._bytes is None:
+      self._bytes = token_bytes(self.tokenizer)
+    spelled = self._bytes.get(token_id)  # a special token has none: its text
+    return spelled if spelled is not None else self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+  def text(self, token_id: int) -> str:
+    raw = self.bytes(token_id)
+    try:
+      return raw.decode()
+    except UnicodeDecodeError:
+      return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class Response:
   """Builds one response's bodies and stream chunks, for either endpoint."""
 
-  def __init__(self, chat: bool, model: str):
-    self.chat, self.model = chat, model
+  def __init__(self, chat: bool, model: str, spelling: Spelling | None = None):
+    self.chat, self.model, self.spelling = chat, model, spelling
     self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     self.created = int(time.time())
     self.object = "chat.completion" if chat else "text_completion"
@@ -230,29 +268,47 @@ class Response:
   def _envelope(self, obj: str, choices: list[dict]) -> dict:
     return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
+  def logprobs(self, scored: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """A choice's `logprobs` for these tokens: the completions route's token lists (their text offsets from
+    `offset`, the characters of the choice's text before them), or the chat route's `content` entries."""
+    if scored is None:
+      return None
+    text = self.spelling.text
+    if self.chat:
+      entry = lambda t, lp: {"token": text(t), "logprob": lp, "bytes": list(self.spelling.bytes(t))}
+      return {"content": [{**entry(s.token_id, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]}
+                          for s in scored]}
+    tokens = [text(s.token_id) for s in scored]
+    offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [s.logprob for s in scored],
+            "top_logprobs": [None if s.logprob is None else {text(t): lp for t, lp in s.top} for s in scored],
+            "text_offset": offsets}
+
   def body(self, texts: list[str], reasons: list[str], prompt_tokens: int, completion_tokens: int,
-           stats: list[RequestStats]) -> dict:
+           stats: list[RequestStats], logprobs: list[dict | None]) -> dict:
     """A whole (non-streamed) response."""
     if self.chat:
-      choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-                 for i, (t, r) in enumerate(zip(texts, reasons))]
+      choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": r}
+                 for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
     else:
-      choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                 for i, (t, r) in enumerate(zip(texts, reasons))]
+      choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                 for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
     return {**self._envelope(self.object, choices), "usage": usage(prompt_tokens, completion_tokens),
             "speculative_decoding": speculation_figures(stats)}
 
-  def chunk(self, index: int, delta: Delta | None = None, first: bool = False) -> dict:
-    """A stream chunk: choice `index`'s new text (and its finish reason and speculation figures when the
-    delta is its last), or a chat stream's opening chunk (`first`: the assistant's role)."""
+  def chunk(self, index: int, delta: Delta | None = None, first: bool = False, text: str | None = None,
+            logprobs: dict | None = None) -> dict:
+    """A stream chunk: choice `index`'s new text (`text`, default the delta's) and its tokens' `logprobs`
+    (and its finish reason and speculation figures when the delta is its last), or a chat stream's opening
+    chunk (`first`: the assistant's role)."""
     obj = "chat.completion.chunk" if self.chat else "text_completion"
-    text = "" if delta is None else delta.text
+    text = ("" if delta is None else delta.text) if text is None else text
     reason = delta.finish_reason if delta is not None and delta.finished else None
     if self.chat:
       content = {"role": "assistant", "content": ""} if first else {"content": text} if text or not reason else {}
-      choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": reason}
+      choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
     else:
-      choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+      choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     out = self._envelope(obj, [choice])
     if reason is not None and delta.stats is not None:
       out["speculative_decoding"] = speculation_figures([delta.stats])

@@ -55,7 +55,8 @@ class Startup:
                                memory_fraction=args.memory_fraction,
                                pages=args.max_total_tokens and pages_for(args.max_total_tokens),
                                prefix_caching=not args.no_prefix_caching,
-                               max_prefill_tokens=args.max_prefill_tokens or None, **models)
+                               max_prefill_tokens=args.max_prefill_tokens or None,
+                               max_logprobs=args.max_logprobs, **models)
     engine.quiet = True
     self.phase = "compiling the programs every request needs"
     log.info("compiling the programs every request needs (%d slots of %d tokens)", engine.slots, engine.max_len)
