@@ -17,6 +17,8 @@ from jspec import constraints, machine, memory, programs, sharding
 from jspec.constraints import Constraint
 from jspec.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
+from jspec.logprobs import MAX_TOP, TokenLogprob
+from jspec.logprobs import read as read_logprobs
 from jspec.model import Model
 from jspec.request import check_prompts, make_batch, seed_array
 from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS, Engine, Stream
@@ -31,6 +33,7 @@ class Result:
   token_ids: list[list[int]]
   stats: Stats  # the totals
   request_stats: list[RequestStats]  # one per prompt
+  logprobs: list[list[TokenLogprob]] | None = None  # one per new token of each prompt, with `logprobs=`
 
 
 def _sampling(options: Options) -> SamplingConfig | list[SamplingConfig]:
@@ -135,7 +138,8 @@ def _with_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @_with_options
-def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, options: Options) -> Result:
+def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, logprobs: int | None = None,
+             options: Options) -> Result:
   """Decodes a batch of prompts (texts or token-id lists), speculatively when a drafter is given.
 
   `draft` is a draft `Model` or trained Medusa/EAGLE `Heads` (`jspec.load` returns either); with
@@ -160,13 +164,21 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, opt
   SPMD program on the mesh, across processes when `jax.distributed` is initialized. `attention` picks how
   attention reads the caches: "auto" (the Pallas kernel of a TPU or GPU, the reference loop on a CPU),
   "xla" (that loop everywhere), "tpu" or "gpu" (that kernel; interpreted on a CPU).
+
+  `logprobs=k` (0 to `jspec.logprobs.MAX_TOP`) fills `Result.logprobs`: each new token's log-probability
+  under the target's distribution after the row's sampling (its own distribution at temperature 0), with
+  the k most likely tokens at its position, recorded by the forward that scored it.
   """
   o = options
+  if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP):
+    raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP}], got {logprobs}")
   sampling = _sampling(o)
   prompt_ids, decoder = _prepare(target, prompts, o, None, sampling)
   tables = _constraint_tables(target, o.constraint, len(prompt_ids), o.ignore_eos)
   requests = make_batch(decoder, prompt_ids, o.max_new_tokens, sampling=sampling, seed=o.seed,
-                        ignore_eos=o.ignore_eos, constraints=tables)
+                        ignore_eos=o.ignore_eos, constraints=tables,
+                        logprobs=None if logprobs is None else [True] * len(prompt_ids),
+                        top_logprobs=max(logprobs or 0, 1))
   width = requests.prompts_BxP.shape[1]
   memory.check(decoder, len(prompt_ids), width + o.max_new_tokens, width, o.mesh, o.shard_draft)
   if o.mesh is not None:
@@ -174,15 +186,17 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, opt
     requests = sharding.place(requests, o.mesh)
   executable, compile_seconds = programs.compiled_run(decoder, requests)
   start = time.perf_counter()
-  tokens, seq_lens, stats = jax.block_until_ready(executable(decoder, requests))
+  decoded = jax.block_until_ready(executable(decoder, requests))
   wall = time.perf_counter() - start
 
-  tokens, seq_lens, stats = jax.device_get((tokens, seq_lens, stats))
+  tokens, seq_lens, stats, scored = jax.device_get(decoded)
   token_ids = [tokens[b, len(p):seq_lens[b]].tolist() for b, p in enumerate(prompt_ids)]
   texts = [detokenize(target.tokenizer, ids) for ids in token_ids]
   spec = decoder.spec if decoder.drafter is not None else None
   return Result(texts=texts, token_ids=token_ids, stats=Stats.from_device(stats, wall, compile_seconds, spec),
-                request_stats=[RequestStats.of_row(stats, b, len(ids)) for b, ids in enumerate(token_ids)])
+                request_stats=[RequestStats.of_row(stats, b, len(ids)) for b, ids in enumerate(token_ids)],
+                logprobs=None if scored is None else [read_logprobs(scored, b, len(p), ids, logprobs)
+                                                      for b, (p, ids) in enumerate(zip(prompt_ids, token_ids))])
 
 
 @_with_options

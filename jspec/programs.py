@@ -29,11 +29,19 @@ from jspec.stats import DecodeStats
 log = logging.getLogger("jspec")
 
 
-def _run(decoder: Decoder, requests: Batch) -> tuple[jax.Array, jax.Array, DecodeStats]:
-  """Prefills and decodes a batch. Returns `(tokens [B,T], seq_lens [B], stats)`; row b's new tokens are
-  `tokens[b, prompt_len:seq_len]`."""
+class Decoded(NamedTuple):
+  """A batch decoded: row b's new tokens are `tokens_BxT[b, prompt_len:seq_lens_B[b]]`; their
+  log-probabilities at the same slots, if the requests asked (`jspec.logprobs`)."""
+  tokens_BxT: jax.Array
+  seq_lens_B: jax.Array
+  stats: DecodeStats
+  logprobs: Logprobs | None
+
+
+def _run(decoder: Decoder, requests: Batch) -> Decoded:
+  """Prefills and decodes a batch."""
   state = decode.run(decoder, decode.start(decoder, requests))
-  return state.tokens_BxT, state.seq_lens_B, state.stats
+  return Decoded(state.tokens_BxT, state.seq_lens_B, state.stats, state.logprobs)
 
 
 run = jax.jit(_run)

@@ -82,3 +82,14 @@ def test_logprobs_past_the_engines_bound_are_refused(pair):
     engine.add(Request([1, 2], 4, logprobs=3))
   with pytest.raises(ValueError, match="max_logprobs"):
     jspec.make_engine(pair[0], slots=1, max_len=64).add(Request([1, 2], 4, logprobs=0))
+
+
+def test_generate_gives_the_same_logprobs(pair):
+  """`generate(logprobs=k)`: the full forward's, through a draft tree, greedy and sampled."""
+  target, _ = pair
+  draft, spec = _models("eagle-tree", pair)
+  out = jspec.generate(target, PROMPTS, draft=draft, spec=spec, max_new_tokens=16, sampling=SAMPLING, logprobs=2)
+  for prompt, sampling, ids, scored in zip(PROMPTS, SAMPLING, out.token_ids, out.logprobs):
+    _check(scored, ids, _reference(target, prompt, ids, sampling), 2)
+  with pytest.raises(ValueError, match="logprobs must be"):
+    jspec.generate(target, PROMPTS, max_new_tokens=4, logprobs=21)

@@ -57,8 +57,8 @@ def _decoder(kind: str, pair):
 def test_paged_decoding_gives_the_contiguous_tokens(pair, kind, temperature):
   decoder = _decoder(kind, pair)
   requests = make_batch(decoder, PROMPTS, NEW_TOKENS, sampling=SamplingConfig(temperature), seed=[1, 2, 3])
-  tokens, lens, _ = programs.run(decoder, requests)
-  paged_tokens, paged_lens, _ = programs.run(decoder, paged(requests))
+  tokens, lens, *_ = programs.run(decoder, requests)
+  paged_tokens, paged_lens, *_ = programs.run(decoder, paged(requests))
   np.testing.assert_array_equal(paged_lens, lens)
   np.testing.assert_array_equal(paged_tokens, tokens)
 
@@ -70,7 +70,7 @@ def test_a_segment_over_narrow_rows_reads_the_whole_pool(pair):
   state = programs.start(decoder, requests)
   done = state.done_B.at[1:].set(True)
   narrow = rows.run_rows(decoder, state.replace(done_B=done), width=1)
-  whole, _, _ = programs.run(decoder, requests)
+  whole, *_ = programs.run(decoder, requests)
   np.testing.assert_array_equal(narrow.tokens_BxT[0, :narrow.seq_lens_B[0]], whole[0, :narrow.seq_lens_B[0]])
 
 
