@@ -164,7 +164,7 @@ def test_a_request_whose_program_compiles_in_the_background_waits_while_others_r
   release, compile = threading.Event(), engine._compile
 
   def held(key, *args):
-    if key[0] == "insert" and key[1][0][1] >= 48:  # the long prompt's bucket
+    if key[0] == "insert" and key[1][1] >= 48:  # the long prompt's prefill width
       release.wait(60)
     compile(key, *args)
 
