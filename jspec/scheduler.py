@@ -361,12 +361,15 @@ class Engine:
     return deltas
 
   def _rounds(self) -> int:
-    """The next segment's rounds: `stream_rounds` while a young streamed request (fewer than `YOUNG_TOKENS`
-    emitted) decodes and none waits for a slot, so its first text comes soon and in small chunks; else
+    """The next segment's rounds: while none waits for a slot, one for a streamed request that has just
+    started (its first token comes right after its prefill), and `stream_rounds` while a young one (fewer
+    than `YOUNG_TOKENS` emitted) decodes, so its first text comes soon and in small chunks; else
     `segment_rounds` (fewer host visits: batch work, a stream's later text, and a saturated batch, whose
     throughput the waiting requests need)."""
-    young = any(r is not None and r.request.stream and r.sent < YOUNG_TOKENS for r in self._running)
-    return self.stream_rounds if young and not self._waiting else self.segment_rounds
+    streams = [r for r in self._running if r is not None and r.request.stream]
+    if self._waiting or not any(r.sent < YOUNG_TOKENS for r in streams):
+      return self.segment_rounds
+    return 1 if any(r.sent == 0 and r.unread_rounds == 0 for r in streams) else self.stream_rounds
 
   def _dispatch(self) -> None:
     """Sets the next segment going on the device (asynchronously) for the rows running now."""
