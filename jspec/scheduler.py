@@ -28,7 +28,8 @@ youngest request is preempted (its pages freed, it waits at the head of the queu
 its prompt and the tokens it has emitted, recomputed), as vLLM does. With prefix caching, a request shares
 the cached pages of the longest prefix of its prompt that an earlier request left (`jspec.pages`) and
 prefills only the rest (a page keyed with the tokens after it that a drafter's cache reads there:
-`Drafter.prefix_lookahead`).
+`Drafter.prefix_lookahead`); one whose prompt shares more with a request being prefilled waits a step for
+those pages (the `n` choices of a prompt prefill it once).
 """
 from __future__ import annotations
 
@@ -513,6 +514,8 @@ class Engine:
         break  # this step's prefill is spent
       with self._lock:
         request_id, req, run = self._waiting[0]
+      if self._shares_a_prefill(req):
+        break  # it waits for pages that a prefill under way will cache, rather than prefill them again
       cached = self._place(b, req)
       if cached is None:
         break  # first come, first served: the head of the queue waits for pages
@@ -526,6 +529,17 @@ class Engine:
       self._prefilling[b] = [run, cached]
       pending += len(req.prompt_ids) - cached
     self._prefill(budget)
+
+  def _shares_a_prefill(self, req: Request) -> bool:
+    """Whether a request being prefilled will leave more of `req`'s prompt cached than the cache holds now
+    (the `n` choices of one prompt, or requests with one system prompt, arriving together)."""
+    if not self.prefix_caching or not self._prefilling:
+      return False
+    mine = self._final_pages(req.prompt_ids)
+    cached = len(self.page_table.match(mine))
+    shared = lambda theirs: next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+                                 min(len(mine), len(theirs)))
+    return any(shared(self._final_pages(run.request.prompt_ids)) > cached for run, _ in self._prefilling.values())
 
   def _prefill(self, budget: float) -> None:
     """Prefills up to `budget` prompt tokens of the admitted requests, oldest first: a prompt whose rest fits

@@ -178,7 +178,8 @@ def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
   """Later requests share the first request's full prompt pages (ending mid-page: the rest is prefilled) and
   get the tokens `generate` gives them; a drafter's cache shares the pages too (its drafts are `generate`'s),
   EAGLE's only where the text goes on with the same token (its entry at a page's end reads the next).
-  Prompts go in chunks of a page (the first in three)."""
+  Requests of one prompt that arrive together share the first one's prefill. Prompts go in chunks of a
+  page (the first in three)."""
   target, _ = pair
   draft, spec = _models(kind, pair)
   engine = jspec.make_engine(target, draft=draft, spec=spec, slots=4, max_len=400, segment_rounds=2,
@@ -195,7 +196,15 @@ def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
     assert engine.prefix_hits - before == hits[i], i
     # The drafter's cache from the shared pages is its own prefill's: it drafts the same tokens.
     assert out[i][-1].stats.accepted_tokens == want.request_stats[0].accepted_tokens, i
-  assert engine.prefix_queries == sum(map(len, prompts.values()))
+  # Two requests of one new prompt at once (`n` choices): the second waits a step for the first's pages.
+  twin, before = [5] * 270, engine.prefix_hits
+  engine.add(Request(twin, 24), "twin-0")
+  engine.add(Request(twin, 24), "twin-1")
+  out = _drain(engine)
+  assert engine.prefix_hits - before == 256
+  want = jspec.generate(target, [twin], draft=draft, spec=spec, max_new_tokens=24).token_ids[0]
+  assert [[t for d in out[f"twin-{j}"] for t in d.token_ids] for j in range(2)] == [want, want]
+  assert engine.prefix_queries == sum(map(len, prompts.values())) + 2 * len(twin)
   assert engine.page_table.num_free == engine.page_table.pages
 
 
