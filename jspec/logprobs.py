@@ -2,7 +2,7 @@
 and the most likely tokens' at its position, from the target's distribution after the processing that
 sampling applies (`jspec.sampling.log_probabilities`). The loop records them as it commits tokens, from the
 forward that scored the tokens (a verify's, under speculation): they are exactly plain decoding's. A
-prompt's come from one forward over it (`score_prompt`), from the model's own distribution.
+prompt's come from one forward over it (`score`), from the model's own distribution.
 """
 from __future__ import annotations
 
@@ -83,22 +83,28 @@ def _entries(token_ids: list[int], chosen_S, ids_SxN, best_SxN, top: int) -> lis
           for t, c, i, v in zip(token_ids, chosen_S, ids_SxN, best_SxN)]
 
 
-def _score(params: Params, config: ModelConfig, prompts_BxP: jax.Array, top: int) -> tuple[jax.Array, ...]:
+def _score(params: Params, prompts_BxP: jax.Array, *, config: ModelConfig) -> tuple[jax.Array, ...]:
+  """Each prompt token's log-probability given those before it, and the `MAX_TOP` most likely tokens at
+  each position (the model's own distribution): [B, P-1], [B, P-1, MAX_TOP] twice."""
   logits_BxPxV, _ = model.forward_full(params, prompts_BxP, config)
   logp = jax.nn.log_softmax(logits_BxPxV[:, :-1].astype(jnp.float32), -1)
   chosen = jnp.take_along_axis(logp, prompts_BxP[:, 1:, None], axis=-1)[..., 0]
-  best, ids = lax.top_k(logp, top)
+  best, ids = lax.top_k(logp, MAX_TOP)
   return chosen, ids, best
 
 
-score = jax.jit(_score, static_argnames=("config", "top"))
+score = jax.jit(_score, static_argnames="config")
 
 
-def score_prompt(params: Params, config: ModelConfig, prompt_ids: list[int], width: int,
-                 top: int) -> list[TokenLogprob]:
-  """The model's log-probability of each token of a prompt given those before it, with the `top` most
-  likely tokens at each position; the prompt padded to `width`."""
-  padded = np.zeros((1, width), np.int32)
-  padded[0, :len(prompt_ids)] = prompt_ids
-  chosen, ids, best = jax.device_get(score(params, config, padded, MAX_TOP))
+def padded(prompt_ids: list[int], width: int) -> np.ndarray:
+  """One prompt right-padded to `width`, as `score` takes it."""
+  out = np.zeros((1, width), np.int32)
+  out[0, :len(prompt_ids)] = prompt_ids
+  return out
+
+
+def prompt_entries(prompt_ids: list[int], scores: tuple[np.ndarray, ...], top: int) -> list[TokenLogprob]:
+  """A prompt's tokens with `score`'s fetched figures and `top` alternatives each (the first token, which
+  nothing predicts, with none)."""
+  chosen, ids, best = scores
   return [TokenLogprob(prompt_ids[0], None, [])] + _entries(prompt_ids[1:], chosen[0], ids[0], best[0], top)

@@ -603,9 +603,10 @@ class Engine:
     req = run.request
     self._state = self._call("insert", programs.insert, *args)
     if req.prompt_logprobs is not None:
-      run.prompt_logprobs = logprobs.score_prompt(
-          self.decoder.target_params, self.decoder.target_config, req.prompt_ids,
-          min(request.prompt_bucket(len(req.prompt_ids)), self.prompt_width), req.prompt_logprobs)
+      width = min(request.prompt_bucket(len(req.prompt_ids)), self.prompt_width)
+      scores = self._call("score", logprobs.score, self.decoder.target_params,
+                          logprobs.padded(req.prompt_ids, width), config=self.decoder.target_config)
+      run.prompt_logprobs = logprobs.prompt_entries(req.prompt_ids, jax.device_get(scores), req.prompt_logprobs)
     self.prefix_hits += run.cached
     self.last_prefill_seconds[-1] += self._chunk_seconds.pop(b, 0.0)
     self._running[b] = run
@@ -696,8 +697,13 @@ class Engine:
     return self._executables[key]
 
   def _key(self, name: str, args: tuple, static: dict) -> tuple:
-    return (name, (args[2].prompts_BxP.shape, args[2].prefill_width) if name in ("insert", "chunk") else None,
-            self._constraint_shape, tuple(static.items()))
+    """What tells its executables apart beyond the engine's fixed shapes: a prefill's prompt shape and width,
+    a prompt score's width, the automata's bucket, the static arguments."""
+    if name in ("insert", "chunk"):
+      shape = (args[2].prompts_BxP.shape, args[2].prefill_width)
+    else:
+      shape = args[1].shape if name == "score" else None
+    return name, shape, self._constraint_shape, tuple(static.items())
 
   def _compile(self, key: tuple, name: str, jitted, args: tuple, static: dict) -> None:
     executable, seconds = programs.compiled(name, lambda: jitted.lower(*args, **static), args, self.quiet,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import time
@@ -81,7 +82,9 @@ class _Choice:
   def add(self, delta: Delta) -> tuple[str, list[TokenLogprob] | None, int]:
     """The delta as the client sees it: its text, its tokens' log-probabilities, and the characters of the
     choice's text before them (accumulated for the whole response)."""
-    text, scored = (delta.text, delta.logprobs) if self.keep_output else ("", delta.logprobs and [])
+    text, scored = delta.text, delta.logprobs
+    if not self.keep_output:
+      text, scored = "", None if scored is None else []
     if self.echo is not None:
       text, self.echo = self.echo + text, None
       if delta.prompt_logprobs is not None:
@@ -102,7 +105,11 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
   <api_key>` (checked in constant time); `/health` and `/metrics` stay open."""
   model_name = startup.metrics.model_name
   checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="jspec-check")
-  spellings: dict = {}  # the target's tokens as log-probabilities show them (read once, on first use)
+
+  @functools.lru_cache(maxsize=1)
+  def spelling(tokenizer) -> protocol.Spelling:
+    """The target's tokens as log-probabilities show them (its vocabulary's bytes read once)."""
+    return protocol.Spelling(tokenizer)
 
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI):
@@ -171,8 +178,7 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
       raise APIError(400, str(e)) from None
 
   def response(chat: bool, target: Model) -> protocol.Response:
-    spelling = spellings.setdefault("target", protocol.Spelling(target.tokenizer))
-    return protocol.Response(chat, model_name, spelling)
+    return protocol.Response(chat, model_name, spelling(target.tokenizer))
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, http: HTTPRequest):
