@@ -126,7 +126,6 @@ class Report:
   draft_len: int
   attention: str  # what reads the caches: "Pallas TPU kernel" or "XLA loop"
   server: dict[str, Compiled] | None = None  # "segment", "insert"
-  server_refused: str | None = None
 
   @property
   def per_device(self) -> Chip:
@@ -179,24 +178,13 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
                   "XLA loop" if kernel is None else "Pallas TPU kernel")
   if not serving:
     return report
-  refused = server_refusal(program_decoder)
-  return dataclasses.replace(report, server_refused=refused, server=None if refused else
-                             compile_server(program_decoder, batch, prompt_width, capacity))
-
-
-def server_refusal(decoder: Decoder) -> str | None:
-  """Why the server cannot run a decoder placed on a mesh (None: it can)."""
-  if decoder.layout.target_cache.heads_major:
-    return ("the server inserts requests into batch rows, and this mesh splits the caches by kv head (serve "
-            "with --mesh data=N, or a model split that keeps kv heads whole)")
-  return None
+  return dataclasses.replace(report, server=compile_server(program_decoder, batch, prompt_width, capacity))
 
 
 def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: int) -> dict[str, Compiled]:
   """The server's programs (`jspec.scheduler.Engine`) for a decoder placed on a mesh: a segment of the loop
   over every slot and the insert of a request of `prompt_width` tokens into a running state. The state
-  lives between calls (donated to each), so a segment's arguments hold it beside the weights. The caches
-  must be laid out by batch row (`rows.insert`)."""
+  lives between calls (donated to each), so a segment's arguments hold it beside the weights."""
   mesh = decoder.layout.mesh
   idle = sharding.place(memory.abstract_requests(decoder, slots, request.prompt_bucket(1), capacity), mesh)
   state = started_state(decoder, idle, capacity)

@@ -189,7 +189,7 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, log
   decoded = jax.block_until_ready(executable(decoder, requests))
   wall = time.perf_counter() - start
 
-  tokens, seq_lens, stats, scored = jax.device_get(decoded)
+  tokens, seq_lens, stats, scored = programs.fetch(decoded)
   token_ids = [tokens[b, len(p):seq_lens[b]].tolist() for b, p in enumerate(prompt_ids)]
   texts = [detokenize(target.tokenizer, ids) for ids in token_ids]
   spec = decoder.spec if decoder.drafter is not None else None
@@ -210,8 +210,7 @@ def stream(target: Model, prompts: str | Sequence[str | Sequence[int]], *, batch
   (slots), and when a prompt finishes the next one is prefilled into its slot. Prompt i samples with
   `seed + i` (or `seed[i]`) whatever its slot, so with a fixed K its tokens are those it gets decoded alone.
   The loop returns to the host every `segment_rounds` rounds, and whenever a prompt finishes while others
-  wait. On a mesh, continuous batching needs a cache laid out by batch row (no kv-head split). `constraint`
-  is as for `generate`.
+  wait. `constraint` is as for `generate`.
   """
   o = options
   sampling = _sampling(o)

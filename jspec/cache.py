@@ -100,6 +100,22 @@ def paged(cache: KVCache, page_table_BxR: jax.Array, pages: int) -> KVCache:
   return cache.replace(k=zeros(cache.k), v=zeros(cache.v), page_table=page_table_BxR.astype(jnp.int32))
 
 
+def put_heads_major_rows(tree, state, fresh, slot: jax.Array):
+  """`tree` (a decode state) with each heads-major cache's rows of batch rows `[slot, slot + R)` taken from
+  `fresh` (a state of R rows) and the rest from `state`: in a heads-major buffer a batch row's kv heads lie
+  B rows apart, so the buffer is seen as `[J, B, T, Dh]` and updated along B."""
+  is_cache = lambda x: isinstance(x, KVCache)
+
+  def put(c, old, new):
+    if not (is_cache(c) and c.heads_major):
+      return c
+    j = c.kv_heads
+    rows = lambda x, y: lax.dynamic_update_slice_in_dim(
+        x.reshape(j, -1, *x.shape[1:]), y.reshape(j, -1, *y.shape[1:]).astype(x.dtype), slot, 1).reshape(x.shape)
+    return c.replace(k=tuple(map(rows, old.k, new.k)), v=tuple(map(rows, old.v, new.v)))
+  return jax.tree.map(put, tree, state, fresh, is_leaf=is_cache)
+
+
 def _paged_caches(fn, tree, *rest):
   """`fn` applied to each paged cache of `tree` (with the matching parts of `rest`, of the same structure)."""
   is_cache = lambda x: isinstance(x, KVCache)

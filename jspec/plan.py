@@ -196,8 +196,6 @@ def describe_compiled(r, tau: float = 3.0) -> str:
 
 
 def _describe_server(r) -> list[str]:
-  if r.server_refused:
-    return [f"  the server's programs: not compiled: {r.server_refused}"]
   if r.server is None:
     return []
   from jspec.memory import gb
@@ -213,7 +211,7 @@ def compiled_json(r, tau: float = 3.0) -> dict:
           "hbm_bytes": r.per_device.hbm_bytes, "fits": r.fits, "estimated_plain_step_s": r.plain_step_s,
           "estimated_round_s": r.round_s, "estimated_round_cost": r.round_cost,
           f"estimated_speedup_at_tau_{tau:g}": r.speedup(tau), "chip_source": r.target.chip.source,
-          "attention": r.attention, "server_refused": r.server_refused,
+          "attention": r.attention,
           "server": r.server and {name: {k: getattr(c, k) for k in ("argument_bytes", "temp_bytes", "total_bytes")}
                                   for name, c in r.server.items()}}
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec import decode, executables
@@ -167,6 +168,17 @@ def _count(event: str, *_, **__) -> None:
 
 jax.monitoring.register_event_listener(_count)
 jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def fetch(tree: Any) -> Any:
+  """`tree`'s arrays on the host (numpy). Of an array over several processes' devices, a replicated one is
+  read here, and a split one is gathered from all of them: a collective, so every process of a multi-process
+  run fetches the same arrays in the same order."""
+  def local(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return x
+    return x.addressable_data(0) if x.is_fully_replicated else multihost_utils.process_allgather(x, tiled=True)
+  return jax.device_get(jax.tree.map(local, tree))
 
 
 def compiled_run(decoder: Decoder, requests: Batch) -> tuple[Any, float]:

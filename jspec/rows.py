@@ -49,10 +49,8 @@ def _state_row_blocks(decoder: Decoder, state: DecodeState) -> list[tuple[int, i
 def insert(decoder: Decoder, state: DecodeState, requests: Batch, slot: jax.Array) -> DecodeState:
   """Starts `requests` (R rows) in rows `[slot, slot + R)` of a running state, as `start` would have in a
   state of their own: their tokens, caches, drafter state, sampling values, keys and per-row statistics
-  are replaced; the batch-wide statistics keep counting. Rows are contiguous blocks of every per-row
-  buffer, so a mesh's heads-major cache layout cannot take an insert."""
-  if state.target_cache.heads_major:
-    raise ValueError("insert needs batch-major caches (a mesh that splits kv heads lays them out by head)")
+  are replaced; the batch-wide statistics keep counting. A heads-major cache (a mesh that splits kv heads)
+  holds a row's heads apart, not as one block: `kvcache.put_heads_major_rows`."""
   capacity = state.tokens_BxT.shape[1]
   paged = state.target_cache.page_table is not None
   fresh = start(decoder, requests, capacity, state if paged else None)  # paged: prefilled into the pools
@@ -61,7 +59,9 @@ def insert(decoder: Decoder, state: DecodeState, requests: Batch, slot: jax.Arra
                                                                         block[0])
                 for x, y, block in zip(leaves, jax.tree.leaves(fresh), _row_blocks(decoder, requests, capacity))]
   inserted = jax.tree.unflatten(treedef, new_leaves)
-  return kvcache.take_pools(inserted, fresh) if paged else inserted
+  if paged:
+    return kvcache.take_pools(inserted, fresh)
+  return kvcache.put_heads_major_rows(inserted, state, fresh, slot)
 
 
 def prefill_pages(decoder: Decoder, state: DecodeState, requests: Batch) -> DecodeState:

@@ -403,9 +403,10 @@ class Engine:
   def _read_one(self, segment: _Segment) -> list[Delta]:
     deltas = []
     report = segment.report
-    tokens, seq_lens, done, stats = jax.device_get((report.tokens_BxT, report.seq_lens_B, report.done_B, report.stats))
+    tokens, seq_lens, done, stats = programs.fetch((report.tokens_BxT, report.seq_lens_B, report.done_B,
+                                                    report.stats))
     asked = any(run is not None and run.request.logprobs is not None for run in segment.runs)
-    scores = jax.device_get(report.logprobs) if asked else None
+    scores = programs.fetch(report.logprobs) if asked else None
     now = time.perf_counter()
     # The device ran it from its dispatch or from the end of the segment before, whichever was later.
     self.last_segment_seconds = now - max(segment.dispatched, self._last_read)
@@ -606,7 +607,7 @@ class Engine:
       width = min(request.prompt_bucket(len(req.prompt_ids)), self.prompt_width)
       scores = self._call("score", logprobs.score, self.decoder.target_params,
                           logprobs.padded(req.prompt_ids, width), config=self.decoder.target_config)
-      run.prompt_logprobs = logprobs.prompt_entries(req.prompt_ids, jax.device_get(scores), req.prompt_logprobs)
+      run.prompt_logprobs = logprobs.prompt_entries(req.prompt_ids, programs.fetch(scores), req.prompt_logprobs)
     self.prefix_hits += run.cached
     self.last_prefill_seconds[-1] += self._chunk_seconds.pop(b, 0.0)
     self._running[b] = run
@@ -753,7 +754,7 @@ class Engine:
     """Runs `jitted` (through `_executable`)."""
     executable = self._executable(name, jitted, args, **static)
     if self.decoder.layout is not None:  # a segment may return the state sharded otherwise than an insert takes it
-      args = jax.device_put(args, executable.input_shardings[0])
+      args = _resharded(args, executable.input_shardings[0])
     begin = time.perf_counter()
     out = executable(*args)
     if name != "segment":
@@ -770,6 +771,15 @@ class Engine:
       return None
     spec = self.decoder.spec if self.decoder.drafter is not None else None
     return Stats.from_device(self._device_stats, self.decode_seconds, self.compile_seconds, spec)
+
+
+def _resharded(args: tuple, shardings: tuple) -> tuple:
+  """`args` placed as an executable takes them (`input_shardings`, None for an argument it does not read):
+  only the arrays placed otherwise move, and host values become global arrays, on every process."""
+  leaves, treedef = jax.tree.flatten(args)
+  wanted = treedef.flatten_up_to(shardings)
+  return jax.tree.unflatten(treedef, [x if s is None or getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                                      for x, s in zip(leaves, wanted)])
 
 
 class Stream:

@@ -264,10 +264,3 @@ def test_compile_for_refuses_what_it_cannot_compile_in_one_line(tmp_path, capsys
   else:
     assert plan.main([*base, "--compile-for", "tpu:v5e:2x2", "--mesh", "model=2"]) == 2
     assert "needs 2 devices; tpu:v5e:2x2 has 4" in capsys.readouterr().err
-    # A mesh that splits kv heads cannot take the server's inserts: said instead of its programs' memory.
-    from jspec import accelerators, loading, shaped, sharding
-    decoder = shaped.shaped_decoder(loading.load_shapes(tmp_path / "target.json", "bfloat16"), None, None, 4)
-    devices = accelerators.Target.parse("tpu:v5e:2x2").devices()
-    on = lambda spec: sharding.place_decoder(sharding.make_mesh(spec, devices), decoder, 4)
-    assert "splits the caches by kv head" in accelerators.server_refusal(on("model=4"))
-    assert accelerators.server_refusal(on("data=4")) is None

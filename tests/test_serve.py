@@ -9,7 +9,9 @@ import re
 import signal
 import ssl
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jax
@@ -20,7 +22,7 @@ import pytest
 import jspec
 from jspec import shipped, testing, tokenizer
 from jspec.serve import app
-from jspec.serve.launch import start, stop
+from jspec.serve.launch import free_port, start, stop
 
 pytestmark = pytest.mark.slow  # a real server in a subprocess
 
@@ -392,3 +394,34 @@ def test_chat_completions_through_a_model_with_a_template_behind_a_key_over_tls(
     assert free("jspec:kv_cache_free_pages") == 1 and free("jspec:kv_cache_usage_perc") == 0
   finally:
     stop(proc)
+
+
+def test_two_processes_serve_one_model_split_over_both(target):
+  """`--num-processes 2`: process 0 serves HTTP and process 1 follows, the target's kv heads split over the
+  two processes' devices. Greedy texts are the target's; an abort reaches both (the next request is still
+  exact, so the engines stayed in step); SIGTERM to the follower stops both, with status 0."""
+  flags = ["--target", MODEL, "--mesh", "model=2", "--coordinator", f"127.0.0.1:{free_port()}",
+           "--num-processes", "2", "--batch-size", "2", "--max-model-len", "128", "--draft-len", "2", "--no-adaptive"]
+  follower = subprocess.Popen([sys.executable, "-m", "jspec.serve", *flags, "--process-id", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    proc, url = start(*flags, "--process-id", "0", timeout=300)
+    try:
+      client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+      text = lambda prompt: client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                                      temperature=0).choices[0].text
+      with ThreadPoolExecutor(3) as pool:  # three requests through two slots: one starts in a freed row
+        assert list(pool.map(text, PROMPTS[:3])) == [greedy(target, p, 16)[0] for p in PROMPTS[:3]]
+      body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 100, "ignore_eos": True, "stream": True}
+      with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())
+      wait_idle(url)
+      assert metric(url, "jspec:request_success_total") == 4  # the abort counts
+      assert text(PROMPTS[4]) == greedy(target, PROMPTS[4], 16)[0]
+      follower.send_signal(signal.SIGTERM)
+      assert proc.wait(timeout=30) == 0 and follower.wait(timeout=30) == 0
+      assert "process 1: stopped after 5 requests" in follower.stdout.read()
+    finally:
+      stop(proc)
+  finally:
+    stop(follower)

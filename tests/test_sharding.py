@@ -34,8 +34,7 @@ def test_greedy_outputs_on_a_mesh_equal_one_device(eight_devices, mesh):
     assert sharded[kind] == single[kind], (mesh, kind)
   assert sharded["kernel"] == (single["spec"] if mesh == "data=2,model=4" else None)
   assert single["spec"] == single["ar"]
-  if sharded["continuous"] is not None:  # meshes whose caches are laid out by batch row
-    assert sharded["continuous"] == single["continuous"], mesh
+  assert sharded["continuous"] == single["continuous"], mesh  # inserts into batch-major and heads-major rows
   # A Hugging Face directory read straight onto the mesh: every tensor in its shards, the same tokens.
   assert sharded["hf_directory"]["placed_by_the_rules"]
   assert sharded["hf_directory"]["spec"] == single["spec"]

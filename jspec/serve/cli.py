@@ -1,5 +1,6 @@
 """`python -m jspec.serve`: listen at once, load the models and compile what every request needs
-(`jspec.serve.startup`), then serve HTTP until SIGTERM or Ctrl-C.
+(`jspec.serve.startup`), then serve HTTP until SIGTERM or Ctrl-C. With `--num-processes N`, process 0 does
+so and the others follow it, each stepping its part of the same engine (`jspec.serve.hosts`).
 
 The model, speculation, compilation and mesh flags are `python -m jspec.generate`'s. User errors (bad
 flags, models that do not load or pair): one line on stderr, exit 2. Parsing imports no JAX.
@@ -15,10 +16,13 @@ import threading
 import jspec
 from jspec import flags, logprobs
 from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS
+from jspec.serve import hosts
 
 EXAMPLES = """examples:
   python -m jspec.serve
   python -m jspec.serve --target HF_DIR --draft HF_DRAFT_DIR --batch-size 16 --max-model-len 4096
+  # one model over two hosts' 8 devices in all: the same command on each, --process-id 0 and 1
+  python -m jspec.serve --target HF_DIR --mesh model=8 --coordinator HOST0:1234 --num-processes 2 --process-id 0
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "code", "prompt": "import os\\n\\n\\ndef read_lines(path):\\n", "max_tokens": 64}'
 """
@@ -95,9 +99,7 @@ def check(args: argparse.Namespace) -> None:
     raise ValueError("--api-key must not be empty")
   if not 0 < args.memory_fraction <= 1:
     raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-  if args.num_processes is not None and args.num_processes > 1:
-    raise ValueError("multi-process serving is not supported; serve from one process (its mesh may span its "
-                     "devices)")
+  hosts.check_mesh(args.mesh, args.num_processes)
 
 
 @flags.command
@@ -105,15 +107,19 @@ def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
   flags.show_status(True)
   check(args)
-  import uvicorn  # here: --help answers without the server's imports
+  leader = flags.init_distributed(args)
+  from jspec import programs  # here: --help answers without the server's imports
 
-  from jspec import programs
+  if not args.no_compile_cache:
+    programs.use_compile_cache(args.compile_cache)
+  if not leader:
+    return follow(args)
+  import uvicorn
+
   from jspec.serve.app import create_app
   from jspec.serve.metrics import Metrics
   from jspec.serve.startup import Startup
 
-  if not args.no_compile_cache:
-    programs.use_compile_cache(args.compile_cache)
   scheme = "https" if args.ssl_certfile else "http"
   startup = Startup(args, Metrics(args.served_model_name or args.target), f"{scheme}://{args.host}:{args.port}")
   # uvicorn shuts down gracefully on SIGTERM and Ctrl-C, then raises the signal again for the handler it
@@ -131,4 +137,21 @@ def main(argv: list[str] | None = None) -> int:
   if startup.error is not None:
     return 2
   log.info("stopped")
+  return 0
+
+
+def follow(args: argparse.Namespace) -> int:
+  """A process other than 0: loads and compiles as process 0 does, then steps its part of the engine as
+  process 0 says until it says stop. SIGTERM or Ctrl-C asks process 0 to stop the server."""
+  import jax
+
+  from jspec.serve.startup import build_engine
+
+  signals = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: signals.set())
+  engine = build_engine(args)[2]
+  log.info("process %d of %d: ready; following process 0", jax.process_index(), jax.process_count())
+  served = hosts.follow(engine, signals.is_set)
+  log.info("process %d: stopped after %d requests", jax.process_index(), served)
   return 0

@@ -1,8 +1,10 @@
 """The engine on its own thread, and the bridge to the asyncio side of the server.
 
-HTTP handlers `submit` requests and read their deltas from an asyncio queue; the engine thread steps the
-engine whenever it has work and hands each delta to its request's queue (`call_soon_threadsafe`), so no
-response waits on another's and the event loop never waits on the device.
+HTTP handlers `submit` requests (and `abort` them) and read their deltas from an asyncio queue; the engine
+thread hands what they submitted to the engine before each step (and, serving from several processes, to
+every process: `jspec.serve.hosts`), steps the engine whenever it has work and hands each delta to its
+request's queue (`call_soon_threadsafe`), so no response waits on another's and the event loop never waits
+on the device.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from jspec.scheduler import Delta, Engine, Request
+from jspec.serve.hosts import Commands, Leader
 from jspec.serve.metrics import Metrics
 from jspec.serve.protocol import APIError
 
@@ -34,12 +37,18 @@ class _Route:
 
 
 class EngineLoop:
-  """Steps `engine` on a thread while it has work; `max_queue` requests may wait for a slot."""
+  """Steps `engine` on a thread while it has work; `max_queue` requests may wait for a slot. With `leader`,
+  process 0 of several: each step's commands go to every process first, and when a follower asks to stop,
+  `stop_server` is called."""
 
-  def __init__(self, engine: Engine, metrics: Metrics, max_queue: int):
+  def __init__(self, engine: Engine, metrics: Metrics, max_queue: int, leader: Leader | None = None,
+               stop_server=None):
     self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+    self.leader, self._stop_server = leader, stop_server
     self._routes: dict[int, _Route] = {}
     self._ids = itertools.count()
+    self._inbox = Commands()  # what the next step adds and aborts (under `_inbox_lock`)
+    self._inbox_lock = threading.Lock()
     self._wake = threading.Event()
     self._closing = self._stopped = False
     self.error: str | None = None  # set if a step failed: the engine's state can no longer be trusted
@@ -54,7 +63,7 @@ class EngineLoop:
     503 when the queue is full or the server is stopping."""
     if self._closing or self.error is not None:
       raise APIError(503, "the server is shutting down" if self._closing else f"the engine failed: {self.error}")
-    if self.engine.num_waiting + len(requests) > self.max_queue:
+    if self.engine.num_waiting + len(self._inbox.add) + len(requests) > self.max_queue:
       raise APIError(503, f"too many requests waiting (--max-queue {self.max_queue}); retry later",
                      headers={"Retry-After": "1"})
     for r in requests:
@@ -64,18 +73,18 @@ class EngineLoop:
     for index, r in enumerate(requests):
       request_id = next(self._ids)
       self._routes[request_id] = _Route(loop, queue, index, time.perf_counter())
-      self.engine.add(r, request_id)
+      with self._inbox_lock:
+        self._inbox.add.append((request_id, r))
       ids.append(request_id)
       self.metrics.prompt_tokens.inc(len(r.prompt_ids))
-    self.metrics.waiting.set(self.engine.num_waiting)
+    self.metrics.waiting.set(self.engine.num_waiting + len(self._inbox.add))
     self._wake.set()
     return ids, queue
 
   def abort(self, ids: Sequence[int]) -> None:
     """Ends these requests (a client left): their slots are free by the next segment."""
-    for request_id in ids:
-      if request_id in self._routes:
-        self.engine.abort(request_id)
+    with self._inbox_lock:
+      self._inbox.abort += [i for i in ids if i in self._routes]
     self._wake.set()
 
   def shutdown(self, timeout: float) -> None:
@@ -88,7 +97,20 @@ class EngineLoop:
 
   def _run(self) -> None:
     engine = self.engine
-    while not (self._stopped and not engine.has_work):
+    while True:
+      with self._inbox_lock:
+        commands, self._inbox = self._inbox, Commands()
+      commands.stop = self._stopped and not (commands.add or commands.abort or engine.has_work)
+      if commands.stop or commands.add or commands.abort or engine.has_work:
+        if self.leader is not None:
+          self.leader.publish(commands)
+        if commands.stop:
+          return
+        commands.apply(engine)  # each message but the last is one step
+      if self.leader is not None and not self._closing and self.leader.stop_asked():
+        log.info("a follower process asked the server to stop")
+        self._closing = True
+        self._stop_server()
       if not engine.has_work:
         self._wake.wait(IDLE_WAIT)
         self._wake.clear()
@@ -101,6 +123,8 @@ class EngineLoop:
         for route in self._routes.values():
           route.loop.call_soon_threadsafe(route.queue.put_nowait, (route.index, APIError(500, self.error)))
         self._routes.clear()
+        if self.leader is not None:  # the followers' engines can no longer be trusted either
+          self.leader.publish(Commands(stop=True))
         return
 
   def _step(self) -> None:

@@ -1,7 +1,8 @@
 """The server's start, on a thread of its own while HTTP already answers (`/health`: 503 and the phase):
 load the models, compile what every request needs (`Engine.prepare`), serve; then compile the other
 programs in the background (`Engine.compile_in_background`) and, when no cost model is kept for these
-models on this device, measure one for the next start."""
+models on this device, measure one for the next start. Served from several processes, every process
+compiles a program where a step first needs it instead (`jspec.serve.hosts`)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ from tqdm import tqdm
 import jspec
 from jspec import flags
 from jspec.pages import pages_for
+from jspec.serve import hosts
 from jspec.serve.loop import EngineLoop
 from jspec.serve.metrics import Metrics
 
@@ -33,9 +35,10 @@ class Startup:
     self.error: str | None = None  # why the start failed (a user error: the process exits 2)
 
   def run(self, stop: Callable[[], None]) -> None:
-    """Starts the server (on its own thread); `stop` ends the HTTP server when the start fails."""
+    """Starts the server (on its own thread); `stop` ends the HTTP server (when the start fails, or a
+    follower process asks)."""
     try:
-      self._start()
+      self._start(stop)
     except ValueError as e:
       self.error = str(e)
       print(f"error: {e}", file=sys.stderr)
@@ -45,26 +48,17 @@ class Startup:
       self.error = f"{type(e).__name__}: {e}"
       stop()
 
-  def _start(self) -> None:
+  def _start(self, stop: Callable[[], None]) -> None:
     args, begin = self.args, time.perf_counter()
-    log.info("loading the models")
-    spec = flags.speculation(args)
-    target, models = flags.load_models(args, spec)
-    engine = jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
-                               segment_rounds=args.segment_rounds, stream_rounds=args.stream_rounds,
-                               memory_fraction=args.memory_fraction,
-                               pages=args.max_total_tokens and pages_for(args.max_total_tokens),
-                               prefix_caching=not args.no_prefix_caching,
-                               max_prefill_tokens=args.max_prefill_tokens or None,
-                               max_logprobs=args.max_logprobs, **models)
-    engine.quiet = True
-    self.phase = "compiling the programs every request needs"
-    log.info("compiling the programs every request needs (%d slots of %d tokens)", engine.slots, engine.max_len)
-    engine.prepare()
-    self.target, self.loop = target, EngineLoop(engine, self.metrics, args.max_queue)
+    several = (args.num_processes or 1) > 1
+    target, models, engine = build_engine(args, lambda phase: setattr(self, "phase", phase))
+    self.target = target
+    self.loop = EngineLoop(engine, self.metrics, args.max_queue, hosts.Leader() if several else None, stop)
     self.loop.start()
     self.phase = "ready"
     log.info("ready in %.1f s: serving %s at %s/v1", time.perf_counter() - begin, self.metrics.model_name, self.url)
+    if several:
+      return
     compiling = engine.compile_in_background(ahead=not args.lazy_compile)
     bar = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program", file=sys.stderr,
                desc="compiling the other programs in the background", disable=not compiling)
@@ -76,6 +70,26 @@ class Startup:
     if not args.no_calibrate and calibrate(target, models, engine.slots):
       log.info("calibrated: the next start uses the measured cost model")
 
+
+
+def build_engine(args: argparse.Namespace, say: Callable[[str], None] = lambda _: None) -> tuple:
+  """(target, the model keywords of `flags.load_models`, an engine with what every request needs compiled),
+  as the flags ask; `say` hears each phase."""
+  say("loading the models")
+  log.info("loading the models")
+  target, models = flags.load_models(args, flags.speculation(args))
+  engine = jspec.make_engine(target, slots=args.batch_size, max_len=args.max_model_len,
+                             segment_rounds=args.segment_rounds, stream_rounds=args.stream_rounds,
+                             memory_fraction=args.memory_fraction,
+                             pages=args.max_total_tokens and pages_for(args.max_total_tokens),
+                             prefix_caching=not args.no_prefix_caching,
+                             max_prefill_tokens=args.max_prefill_tokens or None,
+                             max_logprobs=args.max_logprobs, **models)
+  engine.quiet = True
+  say("compiling the programs every request needs")
+  log.info("compiling the programs every request needs (%d slots of %d tokens)", engine.slots, engine.max_len)
+  engine.prepare()
+  return target, models, engine
 
 
 def calibrate(target, models: dict, slots: int) -> bool:
