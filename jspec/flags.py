@@ -92,7 +92,10 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                  help=f"tokens drafted per round, K (at most {MAX_DRAFT_LEN}); the largest K when adaptive "
                       "(and at most Medusa's heads)")
   g.add_argument("--max-ngram", type=int, default=spec.max_ngram, metavar="M",
-                 help=f"longest context match the ngram drafter tries (at most {MAX_NGRAM})")
+                 help=f"longest match of a row's own context the ngram and suffix drafters try (at most {MAX_NGRAM})")
+  g.add_argument("--suffix-cache-tokens", type=int, default=spec.suffix_cache_tokens, metavar="N",
+                 help="past tokens (earlier requests' prompts and outputs) the suffix drafter's index holds, on the "
+                      "device: about 36 bytes each")
   g.add_argument("--typical-acceptance", action="store_true",
                  help="LOSSY: Medusa's typical acceptance instead of exact rejection sampling; output no longer "
                       "follows the target's distribution exactly when sampling (greedy output is unchanged)")
@@ -181,6 +184,7 @@ def speculation(args: argparse.Namespace) -> SpecConfig:
   elif args.tree_choices is not None or args.tree_sampled:
     raise ValueError("--tree-choices and --tree-sampled need --tree")
   return SpecConfig(draft_len=args.draft_len, drafter=args.drafter, max_ngram=args.max_ngram,
+                    suffix_cache_tokens=args.suffix_cache_tokens,
                     typical_acceptance=args.typical_acceptance, adaptive=adaptive,
                     disable_at_batch_size=args.disable_at_batch_size, tree=tree)
 

@@ -14,6 +14,7 @@ DRAFTERS: dict[str, str | type] = {
     "medusa": "jspec.drafters.medusa:MedusaDrafter",
     "eagle": "jspec.drafters.eagle:EagleDrafter",
     "ngram": "jspec.drafters.ngram:NgramDrafter",
+    "suffix": "jspec.drafters.suffix:SuffixDrafter",
 }
 
 

@@ -52,6 +52,11 @@ def insert(decoder: Decoder, state: DecodeState, requests: Batch, slot: jax.Arra
   are replaced; the batch-wide statistics keep counting. A heads-major cache (a mesh that splits kv heads)
   holds a row's heads apart, not as one block: `kvcache.put_heads_major_rows`."""
   capacity = state.tokens_BxT.shape[1]
+  if decoder.drafter is not None:
+    rows = requests.prompts_BxP.shape[0]
+    state = state.replace(drafter_state=decoder.drafter.retire(
+        state.drafter_state, lax.dynamic_slice_in_dim(state.tokens_BxT, slot, rows),
+        lax.dynamic_slice_in_dim(state.seq_lens_B, slot, rows)))
   paged = state.target_cache.page_table is not None
   fresh = start(decoder, requests, capacity, state if paged else None)  # paged: prefilled into the pools
   leaves, treedef = jax.tree.flatten(state)

@@ -23,6 +23,7 @@ DRAFTERS = registry.kinds()
 # speculation, and past about 8 the draft's later tokens are almost never accepted.
 MAX_DRAFT_LEN = 16
 MAX_NGRAM = 8
+MAX_SUFFIX_CACHE_TOKENS = 1 << 24  # the suffix drafter's index: at most about 600 MB of device memory
 MAX_TREE_NODES = 64  # draft tree nodes a round may verify (one target forward over them all)
 DEFAULT_TREE = (4, 16)  # top-k and nodes of a tree for a drafter with no measured shape
 DTYPES = ("float32", "bfloat16")  # what parameters and activations may be computed in
@@ -258,9 +259,11 @@ class TreeConfig:
 class SpecConfig:
   """How to speculate. Static: part of the compiled program, so requests that share it share executables.
 
-  `drafter` names the kind ("model", "medusa", "eagle", "ngram"); it may be left None when the draft's
-  weights imply it. `typical_acceptance` swaps exact rejection sampling for Medusa's typical acceptance,
-  which is LOSSY when sampling (greedy output is unchanged). `adaptive` (on by default) chooses K per
+  `drafter` names the kind ("model", "medusa", "eagle", "ngram", "suffix"); it may be left None when the
+  draft's weights imply it. `max_ngram`: the longest match of a row's own context n-gram and suffix drafting
+  try; `suffix_cache_tokens`: past tokens the suffix drafter's index holds. `typical_acceptance` swaps
+  exact rejection sampling for Medusa's typical acceptance, which is LOSSY when sampling (greedy output is
+  unchanged). `adaptive` (on by default) chooses K per
   round, up to `draft_len` (and a drafter's own limit, as Medusa's heads), or a plain step when acceptance
   is low; None: every round drafts `draft_len`.
   Rounds with `disable_at_batch_size` rows or more running decode plainly (vLLM's rule; without adaptive
@@ -271,6 +274,7 @@ class SpecConfig:
   draft_len: int = 8
   drafter: str | None = None
   max_ngram: int = 3
+  suffix_cache_tokens: int = 1 << 16
   typical_acceptance: bool = False
   adaptive: AdaptiveConfig | None = AdaptiveConfig()
   disable_at_batch_size: int | None = None
@@ -284,6 +288,8 @@ class SpecConfig:
            f"unknown drafter {self.drafter!r}; choose one of {', '.join(registry.DRAFTERS)}")
     _check(_is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM,
            f"max_ngram must be an integer in [1, {MAX_NGRAM}], got {self.max_ngram}")
+    _check(_is_int(self.suffix_cache_tokens) and 1 <= self.suffix_cache_tokens <= MAX_SUFFIX_CACHE_TOKENS,
+           f"suffix_cache_tokens must be an integer in [1, {MAX_SUFFIX_CACHE_TOKENS}], got {self.suffix_cache_tokens}")
     _check(self.disable_at_batch_size is None or (_is_int(self.disable_at_batch_size)
                                                   and self.disable_at_batch_size >= 1),
            f"disable_at_batch_size must be an integer >= 1, got {self.disable_at_batch_size}")

@@ -108,9 +108,9 @@ def test_ngram_lookup_finds_the_most_recent_longest_match():
   tokens = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3, 0, 0],   # "1 2 3" last seen at 4: continue at 7
                         [4, 5, 6, 4, 8, 6, 0, 0, 0, 0, 0, 0, 0, 0],   # only "6" matches (at 2): continue at 3
                         [1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0]])  # no match
-  found, start = drafters.ngram.lookup(tokens, jnp.asarray([12, 6, 5]), max_ngram=3)
+  found, start, length = drafters.ngram.lookup(tokens, jnp.asarray([12, 6, 5]), max_ngram=3)
   assert found.tolist() == [True, True, False]
-  assert start[:2].tolist() == [7, 3]
+  assert start[:2].tolist() == [7, 3] and length[:2].tolist() == [3, 1]
 
 
 def test_ngram_without_a_match_runs_plain_target_steps(target):

@@ -9,6 +9,7 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
   python -m jspec.bench --suite paging --drafters eagle    # paged caches: capacity, prefix caching, chunks
   python -m jspec.bench --suite cross-vocab --draft-lens 4 --prompt-sets code   # drafts with another tokenizer
   python -m jspec.bench --suite structured --drafters eagle,model,medusa,ngram   # under constraints
+  python -m jspec.bench --suite suffix --drafters ngram,eagle   # drafting from earlier requests' texts
   python -m jspec.bench --suite gpu                  # the prepared check on one NVIDIA GPU (--smoke: anywhere)
   python -m jspec.bench --quick                      # a smoke run of the sweep on tiny random models (CI)
 """
@@ -24,7 +25,7 @@ import jax
 
 import jspec
 from jspec import flags, shipped, testing
-from jspec.bench import cross_vocab, end_to_end, gpu, paging, parts, serving, structured, sweep
+from jspec.bench import cross_vocab, end_to_end, gpu, paging, parts, serving, structured, suffix, sweep
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.bench.timing import machine
 
@@ -110,6 +111,9 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
     "structured": ("constraints: a permissive one's cost, and constrained speculative against constrained plain",
                    lambda a, m, o: structured.suite_structured(m, _kinds(a), a.max_new_tokens, a.repeats,
                                                                a.prompts)),
+    "suffix": ("suffix drafting against other drafters on requests one after another: a repetitive workload "
+               "(JSON records of one schema) and one without repetition (code)",
+               lambda a, m, o: suffix.suite_suffix(m, _kinds(a), a.max_new_tokens, a.repeats, a.prompts)),
     "tables": ("constraint tables over a 128k-token vocabulary: states, classes, bytes, compile time",
                lambda a, m, o: structured.table_sizes()),
     "step": ("decode-step costs on a random model", lambda a, m, o: parts.suite_step(a.repeats)),

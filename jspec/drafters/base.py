@@ -190,6 +190,11 @@ class Drafter:
     children from q when `spec.tree.sampled`."""
     raise NotImplementedError
 
+  def retire(self, state: DrafterState, tokens_RxT: jax.Array, lens_R: jax.Array) -> DrafterState:
+    """Rows of a running batch end and take new requests (`jspec.rows.insert`): their texts were
+    `tokens[r, :lens[r]]`. A drafter whose state outlives requests learns from them here."""
+    return state
+
   def observe(self, weights: DraftWeights, state: DrafterState, context: DraftContext, hidden_BxSxD: jax.Array,
               n_B: jax.Array) -> DrafterState:
     """After a target forward over S tokens at positions `[n-1, n-1+S)`; `context.seq_lens_B` holds the

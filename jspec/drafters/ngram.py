@@ -17,13 +17,14 @@ from jspec.drafters.base import DraftContext, Drafter, DraftWeights, Proposal
 from jspec.settings import SpecConfig
 
 
-def lookup(tokens_BxT: jax.Array, seq_lens_B: jax.Array, max_ngram: int) -> tuple[jax.Array, jax.Array]:
-  """(found [B], start [B]): where the continuation of the most recent, longest earlier match begins."""
+def lookup(tokens_BxT: jax.Array, seq_lens_B: jax.Array, max_ngram: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(found [B], start [B], length [B]): where the continuation of the most recent, longest earlier match
+  begins, and that match's length."""
   batch, width = tokens_BxT.shape
   n = seq_lens_B[:, None]
   j_T = jnp.arange(width)
   found = jnp.zeros((batch,), bool)
-  start = jnp.zeros((batch,), jnp.int32)
+  start = length = jnp.zeros((batch,), jnp.int32)
   for m in range(1, max_ngram + 1):  # longer matches overwrite shorter ones
     match_BxT = (j_T + m <= n - 1) & (n >= m + 1)  # a continuation exists and the match is earlier
     for i in range(m):
@@ -32,8 +33,9 @@ def lookup(tokens_BxT: jax.Array, seq_lens_B: jax.Array, max_ngram: int) -> tupl
       match_BxT &= shifted == suffix_B
     hit = match_BxT.any(1)
     start = jnp.where(hit, jnp.max(jnp.where(match_BxT, j_T, -1), axis=1) + m, start).astype(jnp.int32)
+    length = jnp.where(hit, m, length)
     found |= hit
-  return found, start
+  return found, start, length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,7 @@ class NgramDrafter(Drafter):
   def propose(self, weights: DraftWeights, state: None, context: DraftContext,
               keys_KxBx2: jax.Array) -> tuple[None, Proposal]:
     num, tokens_BxT = keys_KxBx2.shape[0], context.tokens_BxT
-    found, start = lookup(tokens_BxT, context.seq_lens_B, self.max_ngram)
+    found, start, _ = lookup(tokens_BxT, context.seq_lens_B, self.max_ngram)
     # Past the committed text the buffer holds stale tokens: still a valid (if poor) proposal.
     index = jnp.minimum(start[:, None] + jnp.arange(num), tokens_BxT.shape[1] - 1)
     tokens_BxK = jnp.take_along_axis(tokens_BxT, index, axis=1)

@@ -1,0 +1,72 @@
+"""The suffix drafter: an index of earlier requests' texts on the device, shared by the rows of an engine."""
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from jspec import decode, testing
+from jspec.drafters.suffix import MAX_MATCH, SuffixDrafter
+
+
+def test_the_index_finds_the_longest_latest_match_and_forgets_what_the_ring_overwrote():
+  # Drafts of 2: an occurrence is indexed if 2 tokens of its text follow; these n-grams share no bucket.
+  drafter = SuffixDrafter(vocab_size=50, cache_tokens=16, buckets=1 << 12, depth=2)
+  state = drafter.init(1, 128, 4)
+  texts = jnp.asarray([[1, 2, 3, 4, 5, 6, 0, 0], [9, 2, 3, 7, 8, 0, 0, 0]])
+  state = drafter.retire(state, texts, jnp.asarray([6, 5]))  # 11 tokens written: 1 2 3 4 5 6 9 2 3 7 8
+  assert int(state.written) == 11
+  rows = jnp.asarray([[4, 1, 2, 3, 0, 0], [8, 8, 2, 3, 0, 0], [5, 5, 4, 0, 0, 0], [6, 9, 2, 0, 0, 0]])
+  length, start = drafter.find(state, rows, jnp.asarray([4, 4, 3, 3]))
+  # "1 2 3" (then 4); "2 3" latest in the second text (then 7); "4" (then 5); "9 2" (then 3)
+  assert length.tolist() == [3, 2, 1, 2]  # "6 9 2" spans two texts, which are indexed apart
+  assert [int(state.ring_C[s % 16]) for s in start.tolist()] == [4, 7, 5, 3]
+  # 11 more tokens overwrite the first text: its n-grams are no longer found, the rest still are.
+  state = drafter.retire(state, jnp.asarray([[30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 0]]), jnp.asarray([11]))
+  length, start = drafter.find(state, rows, jnp.asarray([4, 4, 3, 3]))
+  assert length.tolist() == [2, 2, 0, 2] and int(state.ring_C[int(start[0]) % 16]) == 7
+  assert MAX_MATCH >= 3
+
+
+def _per_request(target, prompts, spec, slots=1, **kw):
+  """Tokens and acceptance of each prompt, decoded one after another through `slots` slots."""
+  tokens, acceptance = [[] for _ in prompts], [None] * len(prompts)
+  for delta in jspec.stream(target, prompts, spec=spec, max_new_tokens=24, batch_size=slots, **kw):
+    tokens[delta.index] += delta.token_ids
+    if delta.finished:
+      acceptance[delta.index] = delta.stats.acceptance_rate
+  return tokens, acceptance
+
+
+def test_requests_draft_from_earlier_requests_losslessly_and_without_recompiling():
+  target = testing.random_model(testing.NO_EOS, seed=3)
+  prompts = [[5, 17, 30, 2], [40, 41, 42], [5, 17, 30, 2], [40, 41, 42], [5, 17, 30, 2]]
+  plain = jspec.generate(target, prompts, max_new_tokens=24).token_ids
+  suffix = testing.fixed_k(4, drafter="suffix")
+  tokens, acceptance = _per_request(target, prompts, suffix)
+  assert tokens == plain
+  # A repeated prompt's continuation is an earlier request's text: every proposal is accepted.
+  assert all(a == 1.0 for a in acceptance[2:]), acceptance
+  _, own = _per_request(target, prompts, testing.fixed_k(4, drafter="ngram"))
+  assert all(a < 1.0 for a in own[2:]), own  # its own context alone does not know it
+  before = dict(decode.trace_counts)
+  assert _per_request(target, prompts[::-1], suffix)[0] == plain[::-1]  # a fuller index compiles nothing new
+  assert dict(decode.trace_counts) == before
+
+
+def test_proposals_from_the_index_keep_the_exact_two_token_law():
+  """Sampled: each request's first two tokens follow the target's law while the index holds the texts the
+  requests before it sampled after the same prompt, which it proposes."""
+  target = testing.random_model(dataclasses.replace(testing.TINY, vocab_size=8, eos_id=None), seed=0)
+  prompt, n, sp = [1, 5, 2], 2000, (0.7, 3, 1.0)
+  want = testing.exact_two_token_law(target, prompt, *sp)
+  tokens, drafted = [[] for _ in range(n)], 0
+  for delta in jspec.stream(target, [prompt] * n, spec=testing.fixed_k(2, drafter="suffix"), max_new_tokens=2,
+                            batch_size=8, temperature=sp[0], top_k=sp[1], top_p=sp[2], seed=11):
+    tokens[delta.index] += delta.token_ids
+    drafted += delta.stats.drafted_tokens if delta.finished else 0
+  counts = np.zeros_like(want)
+  for a, b in tokens:
+    counts[a, b] += 1
+  assert 0.5 * np.abs(counts / n - want).sum() < testing.tv_bound(want, n)
+  assert drafted > n  # most requests verified proposals
