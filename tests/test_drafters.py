@@ -48,7 +48,8 @@ def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len)
     testing.assert_target_argmax(target, p, ids)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# suffix: a static batch's rows share no index, so they draft as ngram's do (tests/test_suffix.py: the index)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "suffix"])
 def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
   ps = prompts(3, seed=1)
   kw = dict(draft=make_draft(kind, target), spec=SpecConfig(drafter=kind, adaptive=None), max_new_tokens=16,

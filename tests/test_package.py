@@ -165,7 +165,8 @@ def test_an_installed_wheel_finds_the_shipped_models_and_reuses_compiled_program
   where = run("-c", "from jspec import shipped; print(shipped.TARGET)")
   assert pathlib.Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
   # The small pair (quicker to compile); its checkpoints come with the package as the default pair's do.
-  command = ["-m", "jspec.generate", "--target", "code-small", "--prompt", "def parse_args(", "--max-new-tokens", "8"]
+  command = ["-m", "jspec.generate", "--target", "code-small", "--prompt", "def parse_args(", "--max-new-tokens", "8",
+             "--no-adaptive", "--draft-len", "2"]
   first = run(*command, "--json")
   assert first.returncode == 0, first.stderr
   out = json.loads(first.stdout)
