@@ -53,10 +53,17 @@ class NgramDrafter(Drafter):
 
   def propose(self, weights: DraftWeights, state: None, context: DraftContext,
               keys_KxBx2: jax.Array) -> tuple[None, Proposal]:
-    num, tokens_BxT = keys_KxBx2.shape[0], context.tokens_BxT
-    found, start, _ = lookup(tokens_BxT, context.seq_lens_B, self.max_ngram)
-    # Past the committed text the buffer holds stale tokens: still a valid (if poor) proposal.
-    index = jnp.minimum(start[:, None] + jnp.arange(num), tokens_BxT.shape[1] - 1)
-    tokens_BxK = jnp.take_along_axis(tokens_BxT, index, axis=1)
+    found, start, _ = lookup(context.tokens_BxT, context.seq_lens_B, self.max_ngram)
+    return None, self.proposal(self.own_tokens(context.tokens_BxT, start, keys_KxBx2.shape[0]), found)
+
+  @staticmethod
+  def own_tokens(tokens_BxT: jax.Array, start_B: jax.Array, num: int) -> jax.Array:
+    """[B, num]: each row's tokens from `start`. Past the committed text the buffer holds stale tokens:
+    still a valid (if poor) proposal."""
+    index = jnp.minimum(start_B[:, None] + jnp.arange(num), tokens_BxT.shape[1] - 1)
+    return jnp.take_along_axis(tokens_BxT, index, axis=1)
+
+  def proposal(self, tokens_BxK: jax.Array, found_B: jax.Array) -> Proposal:
+    """The proposal of these tokens, q one-hot at each (verification stays exact)."""
     logits_BxKxV = jnp.where(jax.nn.one_hot(tokens_BxK, self.vocab_size, dtype=bool), 0.0, -jnp.inf)
-    return None, Proposal(tokens_BxK, logits_BxKxV, found)
+    return Proposal(tokens_BxK, logits_BxKxV, found_B)

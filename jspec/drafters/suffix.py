@@ -23,8 +23,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters.base import DraftContext, Drafter, DraftWeights, Proposal
-from jspec.drafters.ngram import lookup
+from jspec.drafters.base import DraftContext, DraftWeights, Proposal
+from jspec.drafters.ngram import NgramDrafter, lookup
 from jspec.settings import SpecConfig
 
 MAX_MATCH = 8  # the longest run of tokens looked up in the index
@@ -60,16 +60,12 @@ def suffix_hashes(tokens_BxT: jax.Array, ends_BxE: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class SuffixDrafter(Drafter):
-  vocab_size: int
-  max_ngram: int = 3
+class SuffixDrafter(NgramDrafter):
+  """`ngram`'s lookup in the row's own context, and the index of earlier requests' texts."""
   cache_tokens: int = 1 << 16
   buckets: int = 1 << 16  # hash buckets per match length (a power of two): one entry each, the latest kept
   depth: int = 8  # the longest draft: an occurrence is indexed only if that many tokens of its text follow it
   kind = "suffix"
-  config = None  # no weights
-  needs_weights = False
-  can_skip_rounds = True  # the loop may replace a round with a plain target step
 
   @classmethod
   def for_pair(cls, target, draft: None, spec: SpecConfig) -> SuffixDrafter:
@@ -123,10 +119,7 @@ class SuffixDrafter(Drafter):
     own_found, own_start, own_length = lookup(tokens_BxT, context.seq_lens_B, self.max_ngram)
     length, start = self.find(state, tokens_BxT, context.seq_lens_B)
     index = length > jnp.where(own_found, own_length, 0)
-    k_K = jnp.arange(num)
-    # Past the committed text (or the ring's newest token) lie stale tokens: still a valid (if poor) proposal.
-    own_BxK = jnp.take_along_axis(tokens_BxT, jnp.minimum(own_start[:, None] + k_K, tokens_BxT.shape[1] - 1), 1)
-    past_BxK = state.ring_C[(start[:, None] + k_K) % state.size]
-    tokens_BxK = jnp.where(index[:, None], past_BxK, own_BxK)
-    logits_BxKxV = jnp.where(jax.nn.one_hot(tokens_BxK, self.vocab_size, dtype=bool), 0.0, -jnp.inf)
-    return state, Proposal(tokens_BxK, logits_BxKxV, own_found | index)
+    # Past the ring's newest token lie stale ones: still a valid (if poor) proposal.
+    past_BxK = state.ring_C[(start[:, None] + jnp.arange(num)) % state.size]
+    tokens_BxK = jnp.where(index[:, None], past_BxK, self.own_tokens(tokens_BxT, own_start, num))
+    return state, self.proposal(tokens_BxK, own_found | index)
