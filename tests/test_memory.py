@@ -167,6 +167,9 @@ def test_the_cli_and_the_server_refuse_with_exit_status_2(tmp_path, capsys):
                          "--max-model-len", "200000", "--no-compile-cache", "--max-total-tokens", "100000000",
                          "--port", "0"]) == 2
   assert "error: 781250 KV pages of 128 tokens need" in capsys.readouterr().err
+  # Several processes serve one model sharded over all their devices: a mesh is needed (refused before anything loads).
+  assert serve_cli.main(["--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1"]) == 2
+  assert "give --mesh" in capsys.readouterr().err
 
 
 def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):

@@ -16,7 +16,6 @@ import threading
 import jspec
 from jspec import flags, logprobs
 from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS
-from jspec.serve import hosts
 
 EXAMPLES = """examples:
   python -m jspec.serve
@@ -99,7 +98,9 @@ def check(args: argparse.Namespace) -> None:
     raise ValueError("--api-key must not be empty")
   if not 0 < args.memory_fraction <= 1:
     raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-  hosts.check_mesh(args.mesh, args.num_processes)
+  if (args.num_processes or 1) > 1 and not args.mesh:
+    raise ValueError("a server of several processes shards the model over every process's devices: give --mesh, "
+                     "e.g. --mesh model=N for N devices in all")
 
 
 @flags.command
@@ -145,6 +146,7 @@ def follow(args: argparse.Namespace) -> int:
   process 0 says until it says stop. SIGTERM or Ctrl-C asks process 0 to stop the server."""
   import jax
 
+  from jspec.serve import hosts
   from jspec.serve.startup import build_engine
 
   signals = threading.Event()

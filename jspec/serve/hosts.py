@@ -122,9 +122,3 @@ def follow(engine: Engine, stopping: Callable[[], bool]) -> int:
     served += len(commands.add)
     engine.step()
 
-
-def check_mesh(mesh: str | None, num_processes: int | None) -> None:
-  """A server of several processes shards its model over a mesh of all their devices."""
-  if num_processes is not None and num_processes > 1 and not mesh:
-    raise ValueError("a server of several processes shards the model over every process's devices: give --mesh, "
-                     "e.g. --mesh model=N for N devices in all")
