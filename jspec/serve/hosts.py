@@ -27,8 +27,8 @@ PREFIX = "jspec/serve/"
 WAIT_MS = 1000  # how long a follower waits for the next step before it looks at its own signals again
 STOP_POLL_SECONDS = 0.5  # how often process 0 looks for a follower's request to stop
 # Steps whose messages stay in the store. A follower trails process 0 by the steps process 0 can take without
-# waiting on a collective that needs the follower: a segment's read waits for it, so a few; a follower that
-# finds its step deleted fails loudly (a timeout loop cannot hide it: the key never comes back).
+# waiting on a collective that needs the follower: a segment's read waits for it, so a few (not enforced: a
+# follower whose step was deleted would wait for it forever).
 KEPT_STEPS = 256
 CONSTRAINTS = {cls.__name__: cls for cls in (constraints.Regex, constraints.JsonSchema, constraints.Choice)}
 
