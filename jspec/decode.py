@@ -56,6 +56,7 @@ class DecodeState:
   stats: DecodeStats
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (none: no EOS, or EOS ignored)
   speculate_B: jax.Array  # bool: row b's drafts may be accepted (else it decodes plainly in every round)
+  share_B: jax.Array  # bool: row b's text is shared across requests (`Batch.share_B`)
   constraint: Automata | None = None  # each row's constraint and its state (None: no row is constrained)
   logprobs: Logprobs | None = None  # each committed token's log-probabilities (None: no row can ask)
 
@@ -66,7 +67,7 @@ class DecodeState:
   @property
   def context(self) -> DraftContext:
     """What a drafter reads of the rows."""
-    return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling, self.constraint)
+    return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling, self.share_B, self.constraint)
 
 
 def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None,
@@ -89,7 +90,7 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None,
       stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
                               spec.trace_rounds if drafter is not None else 0),
       stop_BxE=requests.stop_BxE.astype(jnp.int32), speculate_B=requests.speculate_B.astype(bool),
-      constraint=requests.constraint,
+      share_B=requests.share_B.astype(bool), constraint=requests.constraint,
       logprobs=None if requests.logprobs_B is None else Logprobs.zeros(requests.logprobs_B, capacity,
                                                                        requests.top_logprobs))
   # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it), and attends

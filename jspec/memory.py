@@ -68,7 +68,8 @@ def abstract_requests(decoder: Decoder, batch: int, prompt_width: int, capacity:
   return Batch(prompts_BxP=i32(batch, prompt_width), prompt_lens_B=i32(batch), max_new_tokens_B=i32(batch),
                   sampling=sampling, seeds_B=jax.ShapeDtypeStruct((batch,), jnp.uint32),
                   stop_BxE=i32(batch, max(1, len(decoder.target_config.stop_ids))),
-                  speculate_B=jax.ShapeDtypeStruct((batch,), jnp.bool_), capacity=capacity)
+                  speculate_B=jax.ShapeDtypeStruct((batch,), jnp.bool_),
+                  share_B=jax.ShapeDtypeStruct((batch,), jnp.bool_), capacity=capacity)
 
 
 @dataclasses.dataclass(frozen=True)

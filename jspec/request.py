@@ -36,6 +36,9 @@ class Batch:
   seeds_B: jax.Array  # uint32: row b's PRNG seed
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (see `stop_table`)
   speculate_B: jax.Array  # bool: row b may accept drafts (False: it decodes plainly, in speculative rounds)
+  # bool: row b's text is shared across requests (it joins the suffix index when it ends, and its drafts read
+  # the index); False keeps it to itself
+  share_B: jax.Array
   constraint: Automata | None = None  # each row's constraint automaton (None: no row is constrained)
   capacity: int | None = flax.struct.field(pytree_node=False, default=None)
   # Paged caches (`jspec.cache`): each row's pages in a pool of `pages` (static); None: contiguous rows.
@@ -116,7 +119,7 @@ def make_batch(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_to
                   seed: int | Sequence[int] = 0, ignore_eos: bool = False,
                   stop_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                   width: int | None = None, capacity_slots: int | None = None, stop_width: int | None = None,
-                  speculate: bool | Sequence[bool] = True,
+                  speculate: bool | Sequence[bool] = True, share: bool | Sequence[bool] = True,
                   constraints: Sequence[Tables | None] | None = None,
                   constraint_shape: tuple[int, int] | None = None,
                   logprobs: Sequence[bool] | None = None, top_logprobs: int = 1) -> Batch:
@@ -126,7 +129,8 @@ def make_batch(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_to
   needs (`capacity`), or `capacity_slots` (a running batch's, for rows inserted into it). Rows stop at the
   target's EOS tokens, or at `stop_ids` (one list, or one per row), or at none with `ignore_eos`; the stop
   table is `stop_width` wide when given (a running batch's, for inserted rows). `speculate` (one value, or
-  one per row) False makes a row decode plainly. `constraints` (compiled `jspec.constraints` tables, or None
+  one per row) False makes a row decode plainly; `share` False keeps a row's text out of what the engine
+  keeps across requests (`Batch.share_B`). `constraints` (compiled `jspec.constraints` tables, or None
   for a free row) constrain what each row outputs, in automata of `constraint_shape` (states, classes; a
   running batch's, for inserted rows; default: the smallest bucket that holds them); with neither, no row
   is constrained and the loop has no automata. `logprobs` (one per row) records a row's log-probabilities
@@ -151,7 +155,8 @@ def make_batch(decoder: Decoder, prompt_ids: Sequence[Sequence[int]], max_new_to
                   max_new_tokens_B=np.full((batch,), max_new_tokens, np.int32),
                   sampling=sampling_arrays(sampling, batch), seeds_B=seed_array(seed, batch),
                   stop_BxE=stop_table(stops, batch, stop_width),
-                  speculate_B=np.broadcast_to(np.asarray(speculate, bool), (batch,)).copy(), constraint=automata,
+                  speculate_B=np.broadcast_to(np.asarray(speculate, bool), (batch,)).copy(),
+                  share_B=np.broadcast_to(np.asarray(share, bool), (batch,)).copy(), constraint=automata,
                   capacity=slots, logprobs_B=None if logprobs is None else np.asarray(logprobs, bool),
                   top_logprobs=top_logprobs if logprobs is not None else 0)
 

@@ -7,6 +7,7 @@ finds that axis and block for each leaf by comparing the state's shapes for batc
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jspec import cache as kvcache
@@ -54,9 +55,9 @@ def insert(decoder: Decoder, state: DecodeState, requests: Batch, slot: jax.Arra
   capacity = state.tokens_BxT.shape[1]
   if decoder.drafter is not None:
     rows = requests.prompts_BxP.shape[0]
+    ended = lambda x: lax.dynamic_slice_in_dim(x, slot, rows)
     state = state.replace(drafter_state=decoder.drafter.retire(
-        state.drafter_state, lax.dynamic_slice_in_dim(state.tokens_BxT, slot, rows),
-        lax.dynamic_slice_in_dim(state.seq_lens_B, slot, rows)))
+        state.drafter_state, ended(state.tokens_BxT), jnp.where(ended(state.share_B), ended(state.seq_lens_B), 0)))
   paged = state.target_cache.page_table is not None
   fresh = start(decoder, requests, capacity, state if paged else None)  # paged: prefilled into the pools
   leaves, treedef = jax.tree.flatten(state)

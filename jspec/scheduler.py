@@ -71,7 +71,9 @@ class Request:
   `ignore_eos` drops); `speculate` False decodes this request plainly; `constraint` restricts its output
   (`jspec.generate` says how); `stream`: someone watches its text arrive (short segments while it runs).
   `logprobs`: each emitted token's log-probability with that many of the most likely tokens at its position
-  (`jspec.logprobs`; at most the engine's `max_logprobs`); `prompt_logprobs`: the prompt's, likewise."""
+  (`jspec.logprobs`; at most the engine's `max_logprobs`); `prompt_logprobs`: the prompt's, likewise.
+  `suffix_cache` False keeps the request's text to itself: it does not join the index of texts that the
+  `suffix` drafter keeps across requests, and its drafts come from its own text only."""
   prompt_ids: Sequence[int]
   max_new_tokens: int
   sampling: SamplingConfig = GREEDY
@@ -84,6 +86,7 @@ class Request:
   stream: bool = False
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  suffix_cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -660,7 +663,7 @@ class Engine:
         self.decoder, [r.prompt_ids for r in reqs], max(r.max_new_tokens for r in reqs),
         sampling=[r.sampling for r in reqs], seed=[r.seed for r in reqs], stop_ids=stop_ids,
         capacity_slots=self.capacity, stop_width=self.stop_width, speculate=[r.speculate for r in reqs],
-        constraints=tables if any(t is not None for t in tables) else None,
+        share=[r.suffix_cache for r in reqs], constraints=tables if any(t is not None for t in tables) else None,
         constraint_shape=self._constraint_shape, width=self.prompt_width if width is not None else None,
         logprobs=[r.logprobs is not None for r in reqs] if self.max_logprobs else None,
         top_logprobs=self.max_logprobs)

@@ -124,7 +124,7 @@ def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(server, clien
       a, client.completions.create(seed=8, extra_body={"top_k": 20}, **kw).choices[0].text]
   assert several.usage.prompt_tokens == client.completions.create(seed=7, **kw).usage.prompt_tokens
   plain = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0,
-                                    extra_body={"speculate": False, "ignore_eos": True})
+                                    extra_body={"speculate": False, "ignore_eos": True, "suffix_cache": False})
   assert plain.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
   assert plain.usage.completion_tokens == 30
 

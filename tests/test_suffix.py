@@ -70,3 +70,30 @@ def test_proposals_from_the_index_keep_the_exact_two_token_law():
     counts[a, b] += 1
   assert 0.5 * np.abs(counts / n - want).sum() < testing.tv_bound(want, n)
   assert drafted > n  # most requests verified proposals
+
+
+def test_a_request_can_keep_its_text_out_of_the_index():
+  """`suffix_cache=False`: the request drafts from its own text only, and its text is not kept for later ones."""
+  target = testing.random_model(testing.NO_EOS, seed=3)
+  first, second = [5, 17, 30, 2], [40, 41, 42]
+  plain = jspec.generate(target, [first, second], max_new_tokens=24).token_ids
+  engine = jspec.make_engine(target, spec=testing.fixed_k(4, drafter="suffix"), slots=1, max_len=64)
+
+  def run(prompt, shared):
+    rid = engine.add(jspec.Request(prompt, 24, suffix_cache=shared))
+    tokens, rate = [], None
+    while engine.has_work:
+      for delta in engine.step():
+        assert delta.index == rid
+        tokens += delta.token_ids
+        rate = delta.stats.acceptance_rate if delta.finished else rate
+    return tokens, rate
+
+  assert run(first, True)[0] == plain[0]
+  tokens, rate = run(first, False)  # the index holds the first text, which this request does not read
+  assert tokens == plain[0] and rate < 1.0
+  assert run(first, True) == (plain[0], 1.0)  # the index still holds it
+  assert run(second, False)[0] == plain[1]
+  tokens, rate = run(second, True)  # the opted-out text never entered the index
+  assert tokens == plain[1] and rate < 1.0
+  assert run(second, True) == (plain[1], 1.0)

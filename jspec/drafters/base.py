@@ -67,11 +67,14 @@ class DraftWeights:
 
 @flax.struct.dataclass
 class DraftContext:
-  """The rows' text as the loop holds it: tokens `[0, seq_lens[b])` of row b, its sampling values, and its
-  constraint automaton (None: no row is constrained), whose allowed tokens a drafter should draw from."""
+  """The rows' text as the loop holds it: tokens `[0, seq_lens[b])` of row b, its sampling values, whether
+  its text is shared across requests (False: a drafter that keeps texts across requests neither keeps nor
+  offers it this row's), and its constraint automaton (None: no row is constrained), whose allowed tokens a
+  drafter should draw from."""
   tokens_BxT: jax.Array
   seq_lens_B: jax.Array
   sampling: SamplingParams
+  share_B: jax.Array
   constraint: Automata | None = None
 
 
@@ -192,7 +195,8 @@ class Drafter:
 
   def retire(self, state: DrafterState, tokens_RxT: jax.Array, lens_R: jax.Array) -> DrafterState:
     """Rows of a running batch end and take new requests (`jspec.rows.insert`): their texts were
-    `tokens[r, :lens[r]]`. A drafter whose state outlives requests learns from them here."""
+    `tokens[r, :lens[r]]` (length 0: a row whose text is not shared). A drafter whose state outlives requests
+    learns from them here."""
     return state
 
   def observe(self, weights: DraftWeights, state: DrafterState, context: DraftContext, hidden_BxSxD: jax.Array,

@@ -5,9 +5,10 @@ outputs, where outputs repeat across requests (tool calls, records of one schema
 the corpus lives in the loop's state on the device, shared by every row (`SuffixIndex`): a ring buffer of
 the texts (prompt and output) of requests that ended, and for each match length n in 1..`MAX_MATCH` a hash
 table from the hash of n tokens to the ring position after their latest occurrence that a whole draft of
-its text follows. A request's text goes
-in when the next request takes its row (`retire`, in the insert program), so the index lives as long as the
-engine; its shapes are fixed, so nothing compiles again as it fills.
+its text follows. A request's text goes in when the next request takes its row (`retire`, in the insert
+program), so the index lives as long as the engine; its shapes are fixed, so nothing compiles again as it
+fills. A request that opts out (`Request.suffix_cache` False: the row's `share_B`) neither enters the index
+nor drafts from it.
 
 Each round a row looks up its last n tokens for the longest n whose latest occurrence still holds them (a
 hash collision or an overwritten entry falls through to a shorter n), and its own context as the n-gram
@@ -118,7 +119,7 @@ class SuffixDrafter(NgramDrafter):
     num, tokens_BxT = keys_KxBx2.shape[0], context.tokens_BxT
     own_found, own_start, own_length = lookup(tokens_BxT, context.seq_lens_B, self.max_ngram)
     length, start = self.find(state, tokens_BxT, context.seq_lens_B)
-    index = length > jnp.where(own_found, own_length, 0)
+    index = (length > jnp.where(own_found, own_length, 0)) & context.share_B
     # Past the ring's newest token lie stale ones: still a valid (if poor) proposal.
     past_BxK = state.ring_C[(start[:, None] + jnp.arange(num)) % state.size]
     tokens_BxK = jnp.where(index[:, None], past_BxK, self.own_tokens(tokens_BxT, own_start, num))

@@ -173,7 +173,8 @@ def create_app(startup: Startup, api_key: str | None = None) -> FastAPI:
                      prompt_logprobs: int | None = None) -> Request:
     try:
       return Request(prompt_ids, max(max_tokens, 1), body.sampling(), seed, body.stops, body.stop_token_ids or (),
-                     body.ignore_eos, body.speculate, body.constraint(), body.stream, logprobs, prompt_logprobs)
+                     body.ignore_eos, body.speculate, body.constraint(), body.stream, logprobs, prompt_logprobs,
+                     suffix_cache=body.suffix_cache)
     except ValueError as e:
       raise APIError(400, str(e)) from None
 

@@ -1,7 +1,8 @@
 """The OpenAI request and response shapes the server speaks, as the official `openai` client sends and
 reads them, with vLLM's extra fields (`top_k`, `ignore_eos`, `seed`, `stop_token_ids`, and structured
 output's `guided_regex`, `guided_choice`, `guided_json` beside OpenAI's `response_format`) and jspec's
-`speculate` (False: decode this request plainly). Log-probabilities (`logprobs`, `top_logprobs`, `echo`)
+`speculate` (False: decode this request plainly) and `suffix_cache` (False: keep this request's text out of
+the suffix drafter's index, and draft it from its own text only). Log-probabilities (`logprobs`, `top_logprobs`, `echo`)
 are the target's (`jspec.logprobs`), in OpenAI's shapes: the completions route's token lists, the chat
 route's `content` entries with their bytes.
 
@@ -97,6 +98,7 @@ class _Sampling(_Strict):
   frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
   user: str | None = None
   speculate: bool = True
+  suffix_cache: bool = True
   response_format: ResponseFormat | None = None
   guided_regex: str | None = None
   guided_choice: list[str] | None = None
