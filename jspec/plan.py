@@ -13,6 +13,7 @@ import sys
 
 from jspec import flags
 from jspec.cache import PAGE_SIZE
+from jspec.settings import SpecConfig
 
 EXAMPLES = """examples:
   python -m jspec.plan --batch-size 8 --context 2048
@@ -43,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
   flags.add_model_args(p, config_files=True)
   g = p.add_argument_group("deployment")
   g.add_argument("--draft-len", type=int, default=4, metavar="K", help="the longest draft a round verifies")
+  g.add_argument("--suffix-cache-tokens", type=int, default=SpecConfig().suffix_cache_tokens, metavar="N",
+                 help="with --drafter suffix: the tokens its index holds")
   g.add_argument("--batch-size", type=int, default=1, metavar="B", help="rows decoded together")
   g.add_argument("--context", type=int, default=None, metavar="N",
                  help="tokens a row holds, prompt and output (default: the model's context)")
@@ -98,7 +101,6 @@ def planned_platform(args: argparse.Namespace) -> str | None:
 def plan(args: argparse.Namespace):
   from jspec import loading, machine, memory, shaped, sharding
   from jspec.decoder import drafter_kind
-  from jspec.settings import SpecConfig
 
   for name in ("batch_size", "context", "prompt_len", "draft_len"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -121,7 +123,8 @@ def plan(args: argparse.Namespace):
     raise ValueError(f"--target {args.target}: heads, not a model")
   draft, drafter = flags.load_draft(args, load)
   drafter = drafter or (draft and drafter_kind(draft))
-  spec = None if drafter is None and draft is None else SpecConfig(args.draft_len, drafter=drafter)
+  spec = None if drafter is None and draft is None else \
+      SpecConfig(args.draft_len, drafter=drafter, suffix_cache_tokens=args.suffix_cache_tokens)
   sizes = sharding.mesh_sizes(args.mesh or "")
   mesh = memory.planned_mesh(sizes) if args.mesh else None
   decoder = shaped.shaped_decoder(target, draft, spec, args.batch_size, args.attention)
@@ -158,8 +161,9 @@ def plan(args: argparse.Namespace):
 def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
   from jspec.memory import gb
   u = p.usage
+  drafter_cache = "suffix index" if drafter == "suffix" else "draft KV cache"
   figures = [("target weights", u.weights_bytes), ("draft weights", u.draft_weights_bytes),
-          ("target KV cache", u.kv_cache_bytes), ("draft KV cache", u.draft_kv_cache_bytes),
+          ("target KV cache", u.kv_cache_bytes), (drafter_cache, u.draft_kv_cache_bytes),
           (f"workspace ({'measured' if p.workspace_source == 'compiled' else 'estimated'})", u.workspace_bytes)]
   rows = lambda n: f"{n} row{'s' * (n != 1)}"
   head = (f"{args.target} with {drafter + ' drafter' if drafter else 'no drafter'}: {rows(p.batch)} x "

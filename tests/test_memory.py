@@ -197,6 +197,11 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
     assert plan.main([*args, *bad]) == 2
     assert message in capsys.readouterr().err
   assert plan.parse_bytes("80GB") == 80 * 10 ** 9 and plan.parse_bytes("24 GiB") == 24 * 2 ** 30
+  # The suffix drafter's index: a ring of C tokens and 8 tables of C buckets (int32), whatever the batch.
+  suffix = ["--target", str(tmp_path / "target.json"), "--drafter", "suffix", "--suffix-cache-tokens", "1000"]
+  assert plan.main([*suffix, "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["draft_kv_cache_bytes"] == 4 * (1000 + 8 * 1024 + 1)
+  assert plan.main(suffix) == 0 and "suffix index" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("draft", ["llama-3.2-1b", "llama-3-70b-eagle"])
