@@ -48,7 +48,8 @@ def test_greedy_equals_plain_decoding_and_target_argmax(target, kind, draft_len)
     testing.assert_target_argmax(target, p, ids)
 
 
-# suffix: a static batch's rows share no index, so they draft as ngram's do (tests/test_suffix.py: the index)
+# suffix: a batch's rows draft from each other's text, so a row's sampled tokens depend on the others (its law does
+# not: tests/test_suffix.py)
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "suffix"])
 def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
   ps = prompts(3, seed=1)

@@ -197,10 +197,13 @@ def test_python_m_jspec_plan_prints_the_plan(tmp_path, capsys):
     assert plan.main([*args, *bad]) == 2
     assert message in capsys.readouterr().err
   assert plan.parse_bytes("80GB") == 80 * 10 ** 9 and plan.parse_bytes("24 GiB") == 24 * 2 ** 30
-  # The suffix drafter's index: a ring of C tokens and 8 tables of C buckets (int32), whatever the batch.
-  suffix = ["--target", str(tmp_path / "target.json"), "--drafter", "suffix", "--suffix-cache-tokens", "1000"]
+  # The suffix drafter's index (int32): a ring of C tokens, 8 tables of B buckets (a power of two >= C) for the
+  # ended texts, and 8 for the running rows' (a power of two >= the batch's slots, at most B: a row of 256 tokens
+  # and a draft's headroom, 512).
+  suffix = ["--target", str(tmp_path / "target.json"), "--drafter", "suffix", "--suffix-cache-tokens", "1000",
+            "--context", "256"]
   assert plan.main([*suffix, "--json"]) == 0
-  assert json.loads(capsys.readouterr().out)["draft_kv_cache_bytes"] == 4 * (1000 + 8 * 1024 + 1)
+  assert json.loads(capsys.readouterr().out)["draft_kv_cache_bytes"] == 4 * (1000 + 8 * 1024 + 1 + 8 * 512)
   assert plan.main(suffix) == 0 and "suffix index" in capsys.readouterr().out
 
 

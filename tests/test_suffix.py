@@ -6,7 +6,10 @@ import numpy as np
 
 import jspec
 from jspec import decode, testing
+from jspec.drafters.base import DraftContext
 from jspec.drafters.suffix import MAX_MATCH, SuffixDrafter
+from jspec.request import GREEDY
+from jspec.sampling import sampling_arrays
 
 
 def test_the_index_finds_the_longest_latest_match_and_forgets_what_the_ring_overwrote():
@@ -20,12 +23,33 @@ def test_the_index_finds_the_longest_latest_match_and_forgets_what_the_ring_over
   length, start = drafter.find(state, rows, jnp.asarray([4, 4, 3, 3]))
   # "1 2 3" (then 4); "2 3" latest in the second text (then 7); "4" (then 5); "9 2" (then 3)
   assert length.tolist() == [3, 2, 1, 2]  # "6 9 2" spans two texts, which are indexed apart
-  assert [int(state.ring_C[s % 16]) for s in start.tolist()] == [4, 7, 5, 3]
+  assert [int(state.ring[s % 16]) for s in start.tolist()] == [4, 7, 5, 3]
   # 11 more tokens overwrite the first text: its n-grams are no longer found, the rest still are.
   state = drafter.retire(state, jnp.asarray([[30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 0]]), jnp.asarray([11]))
   length, start = drafter.find(state, rows, jnp.asarray([4, 4, 3, 3]))
-  assert length.tolist() == [2, 2, 0, 2] and int(state.ring_C[int(start[0]) % 16]) == 7
+  assert length.tolist() == [2, 2, 0, 2] and int(state.ring[int(start[0]) % 16]) == 7
   assert MAX_MATCH >= 3
+
+
+def test_running_rows_are_indexed_as_they_commit_and_found_by_the_others():
+  drafter = SuffixDrafter(vocab_size=50, cache_tokens=16, buckets=1 << 12, depth=2)
+  state = drafter.init(2, 8, 2)
+  tokens = jnp.asarray([[1, 2, 3, 4, 5, 6, 0, 0], [2, 3, 0, 0, 0, 0, 0, 0]])
+  share = jnp.asarray([True, True])
+  context = DraftContext(tokens, jnp.asarray([6, 2]), sampling_arrays(GREEDY, 2), share)
+  # A round took row 0 from 3 to 6 tokens: positions 2..4 are now followed by a whole draft of 2.
+  state = drafter.observe(None, state, context, jnp.zeros((2, 4, 1)), jnp.asarray([3, 2]))
+  length, at = drafter.find_running(state, tokens, jnp.asarray([6, 2]))
+  assert length.tolist()[1] == 2 and int(tokens.reshape(-1)[int(at[1])]) == 4  # "2 3" is followed by 4 in row 0
+  assert drafter.find(state, tokens, jnp.asarray([6, 2]))[0].tolist() == [0, 0]  # nothing has ended
+  # A row that keeps its text to itself indexes nothing.
+  hidden = drafter.init(2, 8, 2)
+  hidden = drafter.observe(None, hidden, context.replace(share_B=jnp.asarray([False, True])), jnp.zeros((2, 4, 1)),
+                           jnp.asarray([3, 2]))
+  assert drafter.find_running(hidden, tokens, jnp.asarray([6, 2]))[0].tolist() == [0, 0]
+  # Once row 0 holds another request's text, its old entries no longer match.
+  other = tokens.at[0].set(jnp.asarray([9, 9, 9, 9, 9, 9, 9, 9]))
+  assert drafter.find_running(state, other, jnp.asarray([6, 2]))[0].tolist() == [0, 0]
 
 
 def _per_request(target, prompts, spec, slots=1, **kw):
@@ -52,6 +76,31 @@ def test_requests_draft_from_earlier_requests_losslessly_and_without_recompiling
   before = dict(decode.trace_counts)
   assert _per_request(target, prompts[::-1], suffix)[0] == plain[::-1]  # a fuller index compiles nothing new
   assert dict(decode.trace_counts) == before
+
+
+def test_a_request_drafts_from_one_still_running():
+  """Two slots: the second request repeats the first's prompt while the first still decodes; it proposes
+  the first's output as the first writes it (n-gram drafts, from its own text, do not know it)."""
+  target = testing.random_model(testing.NO_EOS, seed=3)
+  first, short = [5, 17, 30, 2], [40, 41, 42]
+  plain = jspec.generate(target, [first, short], max_new_tokens=48).token_ids
+  for drafter in ("suffix", "ngram"):
+    engine = jspec.make_engine(target, spec=testing.fixed_k(4, drafter=drafter), slots=2, max_len=96)
+    engine.add(jspec.Request(first, 48), "first")
+    engine.add(jspec.Request(short, 4), "short")
+    tokens, rate = {"first": [], "short": [], "again": []}, {}
+    while engine.has_work:
+      for delta in engine.step():
+        tokens[delta.index] += delta.token_ids
+        if delta.finished:
+          rate[delta.index] = delta.stats.acceptance_rate
+          if delta.index == "short":  # the first is still running: it has 48 tokens to write
+            engine.add(jspec.Request(first, 16), "again")
+    assert tokens == {"first": plain[0], "short": plain[1][:4], "again": plain[0][:16]}
+    if drafter == "suffix":
+      assert rate["again"] > 0.9, rate
+    else:
+      assert rate["again"] < 0.9, rate
 
 
 def test_proposals_from_the_index_keep_the_exact_two_token_law():

@@ -2,9 +2,10 @@
 
 Requests are decoded one after another through one engine (`jspec.stream` with one slot), greedy, so the
 suffix drafter's index holds the texts of the requests before each one; every timed pass starts a fresh
-engine (an empty index) whose programs are already compiled. Two workloads: a repetitive one (JSON records
-of one schema describing different held-out functions, constrained by that schema, as an agent's tool calls
-are) and one without repetition (held-out code completions, unconstrained). Apart from those, the cost of a
+engine (an empty index) whose programs are already compiled. Workloads: a repetitive one (JSON records of
+one schema describing different held-out functions, constrained by that schema, as an agent's tool calls
+are), the same four at a time (requests draft from the ones running beside them too), and one without
+repetition (held-out code completions, unconstrained). Apart from those, the cost of a
 round's proposal alone: suffix's (index and own context) against n-gram's (own context), at the default
 index size and the engine's row width, per batch size.
 """
@@ -32,10 +33,13 @@ from jspec.settings import SpecConfig
 PROPOSALS_TIMED = 200  # proposals per timed call, in one jitted loop (a call's dispatch is not counted)
 
 
-def workloads(count: int) -> dict[str, tuple[list[str], jspec.Constraint | None]]:
+def workloads(count: int) -> dict[str, tuple[list[str], jspec.Constraint | None, int]]:
+  """name: (prompts, constraint, slots)."""
   code = heldout_prompts(count)
-  return {"json_records": ([p + JSON_PROMPT for p in code], jspec.JsonSchema(FUNCTION_SCHEMA)),
-          "code": (code, None)}
+  records = [p + JSON_PROMPT for p in code]
+  schema = jspec.JsonSchema(FUNCTION_SCHEMA)
+  return {"json_records": (records, schema, 1), "json_records_4_at_once": (records, schema, 4),
+          "code": (code, None, 1)}
 
 
 def suite_suffix(pair: Models, kinds: list[str], max_new: int, repeats: int, count: int) -> dict:
@@ -45,12 +49,12 @@ def suite_suffix(pair: Models, kinds: list[str], max_new: int, repeats: int, cou
   loaded = {kind: shipped_pair(pair, kind) for kind in kinds}
   target = loaded[kinds[0]][0]
   out = {"drafters": kinds, "max_new_tokens": max_new, "requests": count, "workloads": {}}
-  for name, (prompts, constraint) in workloads(count).items():
+  for name, (prompts, constraint, slots) in workloads(count).items():
     last = {}
 
     def run(kind: str | None) -> None:
       kw = {} if kind is None else dict(draft=loaded[kind][1], spec=SpecConfig(drafter=kind))
-      stream = jspec.stream(target, prompts, batch_size=1, max_new_tokens=max_new, constraint=constraint, **kw)
+      stream = jspec.stream(target, prompts, batch_size=slots, max_new_tokens=max_new, constraint=constraint, **kw)
       tokens = [[] for _ in prompts]
       for delta in stream:
         tokens[delta.index] += delta.token_ids
