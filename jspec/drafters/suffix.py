@@ -29,6 +29,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.drafters.base import DraftContext, DraftWeights, Proposal
 from jspec.drafters.ngram import NgramDrafter, lookup
@@ -39,8 +40,9 @@ _MIX = 0x9E3779B1  # a hash step's multiplier (2^32 over the golden ratio, odd)
 
 
 # Shapes outside the package's legend: the ring holds `cache_tokens` tokens, and each table has a row per match
-# length (MAX_MATCH) and a power-of-two number of buckets; `_M` below marks the match-length axis.
-LENGTHS_M = jnp.arange(1, MAX_MATCH + 1)
+# length (MAX_MATCH) and a power-of-two number of buckets. Arrays with a last axis of match lengths are named
+# without shape suffixes, their shapes said beside them.
+MATCH_LENGTHS = np.arange(1, MAX_MATCH + 1, dtype=np.int32)
 
 
 @flax.struct.dataclass
@@ -75,12 +77,12 @@ def suffix_hashes(tokens_BxT: jax.Array, ends_BxE: jax.Array) -> jax.Array:
   return jnp.stack(out, -1)
 
 
-def _entries(table: jax.Array, hashes_xM: jax.Array, valid_xM: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _entries(table: jax.Array, hashes: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The table entries of these hashes (`[..., MAX_MATCH]`, n tokens each) as a scatter's indices; invalid
   ones out of range (a scatter with mode="drop" skips them)."""
   buckets = table.shape[1]
-  bucket = jnp.where(valid_xM, (hashes_xM & jnp.uint32(buckets - 1)).astype(jnp.int32), buckets)
-  return jnp.broadcast_to(LENGTHS_M - 1, bucket.shape), bucket
+  bucket = jnp.where(valid, (hashes & jnp.uint32(buckets - 1)).astype(jnp.int32), buckets)
+  return jnp.broadcast_to(MATCH_LENGTHS - 1, bucket.shape), bucket
 
 
 def _longest_match(table: jax.Array, source: jax.Array, holds, tokens_BxT: jax.Array,
@@ -88,15 +90,15 @@ def _longest_match(table: jax.Array, source: jax.Array, holds, tokens_BxT: jax.A
   """(length [B], after [B]): for each row, the longest n (0: none) whose table entry `after` (a position in
   `source`, the 1-D text the table indexes) is set, `holds(after, n)`, and follows the row's last n tokens;
   and that entry."""
-  hashes_BxM = suffix_hashes(tokens_BxT, seq_lens_B[:, None])[:, 0]
-  after_BxM = table[_entries(table, hashes_BxM, True)]
-  ok_BxM = (after_BxM >= 0) & holds(after_BxM, LENGTHS_M) & (seq_lens_B[:, None] >= LENGTHS_M)
+  hashes = suffix_hashes(tokens_BxT, seq_lens_B[:, None])[:, 0]  # [B, MAX_MATCH], as `after` and `ok`
+  after = table[_entries(table, hashes, True)]
+  ok = (after >= 0) & holds(after, MATCH_LENGTHS) & (seq_lens_B[:, None] >= MATCH_LENGTHS)
   for i in range(MAX_MATCH):  # the i-th token before the entry is the row's (i < n of them compared)
-    seen = source[(after_BxM - 1 - i) % source.shape[0]]
+    seen = source[(after - 1 - i) % source.shape[0]]
     mine = jnp.take_along_axis(tokens_BxT, jnp.maximum(seq_lens_B - 1 - i, 0)[:, None], axis=1)
-    ok_BxM &= (LENGTHS_M <= i) | (seen == mine)
-  length = jnp.max(jnp.where(ok_BxM, LENGTHS_M, 0), axis=1)
-  return length, jnp.take_along_axis(after_BxM, jnp.maximum(length - 1, 0)[:, None], axis=1)[:, 0]
+    ok &= (MATCH_LENGTHS <= i) | (seen == mine)
+  length = jnp.max(jnp.where(ok, MATCH_LENGTHS, 0), axis=1)
+  return length, jnp.take_along_axis(after, jnp.maximum(length - 1, 0)[:, None], axis=1)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +132,10 @@ class SuffixDrafter(NgramDrafter):
       # The n tokens before position e are followed by token e, at absolute position at[e]: indexed where a
       # whole draft of the text follows (an occurrence at a text's end would propose the next text's start).
       # Positions only grow, so the largest is the latest.
-      valid_TxM = (i_T[:, None] >= LENGTHS_M) & (i_T[:, None] + self.depth <= length)
-      hashes_TxM = suffix_hashes(tokens_T[None], i_T[None])[0]
-      past = state.past.at[_entries(state.past, hashes_TxM, valid_TxM)].max(
-          jnp.broadcast_to(at_T[:, None], valid_TxM.shape), mode="drop")
+      valid = (i_T[:, None] >= MATCH_LENGTHS) & (i_T[:, None] + self.depth <= length)  # [T, MAX_MATCH]
+      hashes = suffix_hashes(tokens_T[None], i_T[None])[0]
+      past = state.past.at[_entries(state.past, hashes, valid)].max(
+          jnp.broadcast_to(at_T[:, None], valid.shape), mode="drop")
       state = state.replace(ring=ring, past=past, written=state.written + length)
     return state
 
@@ -144,10 +146,10 @@ class SuffixDrafter(NgramDrafter):
     tokens_BxT = context.tokens_BxT
     ends_BxS = n_B[:, None] - self.depth + 1 + jnp.arange(hidden_BxSxD.shape[1])  # newly followed by a draft
     followed_BxS = (ends_BxS + self.depth <= context.seq_lens_B[:, None]) & context.share_B[:, None]
-    valid_BxSxM = followed_BxS[..., None] & (ends_BxS[..., None] >= LENGTHS_M)
+    valid = followed_BxS[..., None] & (ends_BxS[..., None] >= MATCH_LENGTHS)  # [B, S, MAX_MATCH]
     at_BxS = jnp.arange(tokens_BxT.shape[0])[:, None] * tokens_BxT.shape[1] + ends_BxS
     running = state.running.at[_entries(state.running, suffix_hashes(tokens_BxT, jnp.maximum(ends_BxS, 0)),
-                                        valid_BxSxM)].set(jnp.broadcast_to(at_BxS[..., None], valid_BxSxM.shape),
+                                        valid)].set(jnp.broadcast_to(at_BxS[..., None], valid.shape),
                                                           mode="drop")
     return state.replace(running=running)
 
