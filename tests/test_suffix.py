@@ -50,6 +50,12 @@ def test_running_rows_are_indexed_as_they_commit_and_found_by_the_others():
   # Once row 0 holds another request's text, its old entries no longer match.
   other = tokens.at[0].set(jnp.asarray([9, 9, 9, 9, 9, 9, 9, 9]))
   assert drafter.find_running(state, other, jnp.asarray([6, 2]))[0].tolist() == [0, 0]
+  # Row 1 proposes what follows "2 3" in row 0; a match of one token ("3" alone) proposes nothing.
+  keys = jnp.zeros((2, 2, 2), jnp.uint32)
+  proposal = drafter.propose(None, state, context, keys)[1]
+  assert proposal.has_draft_B.tolist()[1] and proposal.tokens_BxK[1].tolist() == [4, 5]
+  one = context.replace(tokens_BxT=tokens.at[1, 0].set(7))
+  assert not drafter.propose(None, state, one, keys)[1].has_draft_B.tolist()[1]
 
 
 def _per_request(target, prompts, spec, slots=1, **kw):

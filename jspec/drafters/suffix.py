@@ -19,8 +19,9 @@ compiles again as the index fills. A request that opts out (`Request.suffix_cach
 Each round a row looks up its last n tokens in both parts for the longest n whose entry still holds them
 (a hash collision, an overwritten ring entry or a row that took a new request falls through to a shorter
 n), and its own context as the n-gram drafter does; it proposes the K tokens after the longest of the
-three matches (its own, then a running row's, on a tie). q is one-hot at the proposal, so verification stays
-exact; a row with no match proposes nothing, and when no row has one the loop runs a plain step.
+three matches (its own, then a running row's, on a tie) if that is `min_match` tokens or more. q is one-hot
+at the proposal, so verification stays exact; a row with no match proposes nothing, and when no row has one
+the loop runs a plain step.
 """
 from __future__ import annotations
 
@@ -107,6 +108,9 @@ class SuffixDrafter(NgramDrafter):
   cache_tokens: int = 1 << 16
   buckets: int = 1 << 16  # hash buckets per match length (a power of two): one entry each, the latest kept
   depth: int = 8  # the longest draft: an occurrence is indexed only if that many tokens of its text follow it
+  # The shortest match (of any source) proposed from: one token's latest continuation is rarely the next
+  # text, and its rejected drafts cost verifies and pull the adaptive policy's K down (BENCHMARKS.md).
+  min_match: int = 2
   kind = "suffix"
 
   @classmethod
@@ -169,16 +173,19 @@ class SuffixDrafter(NgramDrafter):
   def propose(self, weights: DraftWeights, state: SuffixIndex, context: DraftContext,
               keys_KxBx2: jax.Array) -> tuple[SuffixIndex, Proposal]:
     num, tokens_BxT, lens_B = keys_KxBx2.shape[0], context.tokens_BxT, context.seq_lens_B
+    long_enough = lambda length: jnp.where(length >= self.min_match, length, 0)
     own_found, own_start, own_length = lookup(tokens_BxT, lens_B, self.max_ngram)
-    own_length = jnp.where(own_found, own_length, 0)
+    own_length = long_enough(jnp.where(own_found, own_length, 0))
     running_length, running_at = self.find_running(state, tokens_BxT, lens_B)
+    running_length = long_enough(running_length)
     past_length, past_start = self.find(state, tokens_BxT, lens_B)
+    own = own_length > 0
     running = (running_length > own_length) & context.share_B
-    past = (past_length > jnp.maximum(own_length, running_length)) & context.share_B
+    past = (long_enough(past_length) > jnp.maximum(own_length, running_length)) & context.share_B
     i_K = jnp.arange(num)
     # A whole draft follows a running row's occurrence; past the ring's newest token lie stale ones: still a
     # valid (if poor) proposal.
     tokens_BxK = jnp.where(past[:, None], state.ring[(past_start[:, None] + i_K) % state.size],
                            jnp.where(running[:, None], tokens_BxT.reshape(-1)[running_at[:, None] + i_K],
                                      self.own_tokens(tokens_BxT, own_start, num)))
-    return state, self.proposal(tokens_BxK, own_found | running | past)
+    return state, self.proposal(tokens_BxK, own | running | past)
