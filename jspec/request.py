@@ -36,8 +36,8 @@ class Batch:
   seeds_B: jax.Array  # uint32: row b's PRNG seed
   stop_BxE: jax.Array  # int32: the tokens that end row b, -1 padded (see `stop_table`)
   speculate_B: jax.Array  # bool: row b may accept drafts (False: it decodes plainly, in speculative rounds)
-  # bool: row b's text is shared across requests (it joins the suffix index when it ends, and its drafts read
-  # the index); False keeps it to itself
+  # bool: row b's text is shared across requests (the suffix drafter indexes it, and its drafts read the
+  # index); False keeps it to itself
   share_B: jax.Array
   constraint: Automata | None = None  # each row's constraint automaton (None: no row is constrained)
   capacity: int | None = flax.struct.field(pytree_node=False, default=None)
