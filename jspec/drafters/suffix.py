@@ -152,9 +152,8 @@ class SuffixDrafter(NgramDrafter):
     followed_BxS = (ends_BxS + self.depth <= context.seq_lens_B[:, None]) & context.share_B[:, None]
     valid = followed_BxS[..., None] & (ends_BxS[..., None] >= MATCH_LENGTHS)  # [B, S, MAX_MATCH]
     at_BxS = jnp.arange(tokens_BxT.shape[0])[:, None] * tokens_BxT.shape[1] + ends_BxS
-    running = state.running.at[_entries(state.running, suffix_hashes(tokens_BxT, jnp.maximum(ends_BxS, 0)),
-                                        valid)].set(jnp.broadcast_to(at_BxS[..., None], valid.shape),
-                                                          mode="drop")
+    entries = _entries(state.running, suffix_hashes(tokens_BxT, jnp.maximum(ends_BxS, 0)), valid)
+    running = state.running.at[entries].set(jnp.broadcast_to(at_BxS[..., None], valid.shape), mode="drop")
     return state.replace(running=running)
 
   def find(self, state: SuffixIndex, tokens_BxT: jax.Array, seq_lens_B: jax.Array) -> tuple[jax.Array, jax.Array]:
