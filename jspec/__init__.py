@@ -28,7 +28,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from jspec import xla_options
+
 __version__ = "0.2.0"
+
+xla_options.prefer_xla_dots()
 
 # public name -> the module that defines it
 _EXPORTS = {

@@ -35,19 +35,36 @@ def sampling_arrays(sampling: SamplingConfig | Sequence[SamplingConfig], batch: 
                         top_p=np.asarray([s.top_p for s in rows], np.float32))
 
 
+def _ordered_keys(logits: jax.Array) -> jax.Array:
+  """uint32 keys in the order of the float32 logits (-inf lowest, -0 equal to 0): their bits, sign-flipped."""
+  logits = logits.astype(jnp.float32)
+  bits = lax.bitcast_convert_type(jnp.where(logits == 0, 0.0, logits), jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key_above(keys: jax.Array, weights: jax.Array, target_BxS: jax.Array) -> jax.Array:
+  """Per [B,S] position, the largest key u whose heavier entries (keys > u) weigh at least `target`
+  (0 if none does), found bit by bit from the top: 32 masked sums over V rather than a sort of V, which
+  XLA:CPU runs far slower (docs/cpu-performance.md)."""
+  def bit(i, found):
+    candidate = found | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+    heavier = jnp.sum(jnp.where(keys > candidate[..., None], weights, 0), axis=-1)
+    return jnp.where(heavier >= target_BxS, candidate, found)
+  return lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1], jnp.uint32))
+
+
 def _filter_top_k_top_p(logits_BxSxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
-  """Masks logits outside the top-k, then outside the smallest set whose probability reaches top-p."""
+  """Masks logits outside the top-k (ties with the k-th kept), then outside the smallest set of the most
+  probable whose probability reaches top-p (ties with its least probable kept)."""
   vocab = logits_BxSxV.shape[-1]
-  sorted_desc = -jnp.sort(-logits_BxSxV, axis=-1)
-  k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
-  kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None, None].astype(jnp.int32), axis=-1)
-  logits_BxSxV = jnp.where(logits_BxSxV < kth, -jnp.inf, logits_BxSxV)
-  sorted_desc = jnp.where(jnp.arange(vocab) < k[:, None, None], sorted_desc, -jnp.inf)
-  probs = jax.nn.softmax(sorted_desc, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = mass_before < top_p_B[:, None, None]  # the first token is always kept
-  threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where(logits_BxSxV < threshold, -jnp.inf, logits_BxSxV)
+  keys = _ordered_keys(logits_BxSxV)
+  k_BxS = jnp.broadcast_to(jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)[:, None], keys.shape[:-1])
+  kth = _largest_key_above(keys, jnp.ones((), jnp.float32), k_BxS.astype(jnp.float32))
+  logits_BxSxV = jnp.where(keys > kth[..., None], logits_BxSxV, -jnp.inf)
+  probs = jax.nn.softmax(logits_BxSxV, axis=-1)
+  p_BxS = jnp.broadcast_to(top_p_B[:, None], keys.shape[:-1])
+  last = _largest_key_above(keys, probs, p_BxS)
+  return jnp.where((keys > last[..., None]) | (p_BxS[..., None] >= 1.0), logits_BxSxV, -jnp.inf)
 
 
 def argmax(logits: jax.Array) -> jax.Array:
@@ -65,7 +82,7 @@ def _processed(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
   temperature = params.temperature[:, None, None]
   scaled = logits_BxSxV / jnp.where(temperature > 0, temperature, 1.0)
   filtering = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
-  # Sorting V logits is the costly part; skip it when no row asks for it.
+  # Filtering is the costly part (64 passes over V); skip it when no row asks for it.
   return lax.cond(filtering, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p)
 
 

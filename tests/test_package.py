@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import jspec
-from jspec import shipped
+from jspec import shipped, xla_options
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "jspec"
@@ -131,6 +131,20 @@ def test_help_and_version_answer_without_jax():
   proc = subprocess.run([sys.executable, "-m", "jspec.generate", "--version"], capture_output=True, text=True,
                         cwd=REPO, timeout=300)
   assert proc.stdout.strip() == f"jspec {jspec.__version__}"
+
+
+def test_xla_cpu_dots_are_chosen_unless_xla_flags_choose(monkeypatch):
+  monkeypatch.setattr(xla_options, "_jaxlib_version", lambda: "0.10.2")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/dev/null")
+  xla_options.prefer_xla_dots()
+  assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/dev/null --xla_cpu_experimental_ynn_fusion_type="
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=dot")
+  xla_options.prefer_xla_dots()
+  assert os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=dot"
+  monkeypatch.setattr(xla_options, "_jaxlib_version", lambda: "0.11.0")  # not known to have the flag
+  monkeypatch.delenv("XLA_FLAGS")
+  xla_options.prefer_xla_dots()
+  assert "XLA_FLAGS" not in os.environ
 
 
 def test_public_names_resolve():

@@ -76,6 +76,36 @@ def test_top_k_top_p_masks_are_never_violated():
   assert np.all(probs[3].max(-1) == 1.0)  # temperature 0: one-hot argmax
 
 
+def _kept_by_sorting(logits, k, p):
+  """What top-k then top-p keep, by sorting (float64): ties with the k-th, and with the least probable
+  token the top-p set needs, are kept; top-p reads the distribution top-k left."""
+  x = logits.astype(np.float64)
+  if k:
+    x = np.where(x >= np.sort(x)[::-1][min(k, len(x)) - 1], x, -np.inf)
+  probs = np.exp(x - x.max())
+  probs /= probs.sum()
+  ordered = np.sort(probs)[::-1]
+  needed = int(np.sum(np.cumsum(ordered) - ordered < p))  # tokens before the mass reaches p, and the one that does
+  return probs >= ordered[needed - 1] if p < 1 else np.isfinite(x)
+
+
+def test_top_k_top_p_keep_what_a_sort_keeps():
+  rng = np.random.default_rng(0)
+  for trial in range(40):
+    vocab = [7, 50, 6144][trial % 3]
+    logits = rng.normal(size=(4, 2, vocab)).astype(np.float32) * [0.3, 1.0, 4.0][trial % 3]
+    if trial % 4 == 0:
+      logits = np.round(logits * 2) / 2  # ties, -0.0 among them
+    top_k = rng.integers(0, vocab + 2, 4).astype(np.int32) * (rng.random(4) < 0.5)
+    top_p = np.where(rng.random(4) < 0.7, rng.uniform(0.05, 0.98, 4), 1.0).astype(np.float32)
+    sp = sampling.SamplingParams(temperature=jnp.ones(4), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p))
+    kept = np.asarray(sampling.probabilities(jnp.asarray(logits), sp)) > 0
+    for b in range(4):
+      for s in range(2):
+        assert np.array_equal(kept[b, s], _kept_by_sorting(logits[b, s], int(top_k[b]), float(top_p[b]))), (
+            trial, b, s)
+
+
 def test_verify_converges_to_target_like_vllm():
   """vLLM's method: with random p and q, the histogram's distance to p shrinks with the draw count far
   faster than its distance to random reference distributions does."""
