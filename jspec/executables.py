@@ -6,8 +6,8 @@ program to find its cache key, which for the adaptive decode program (one branch
 longer than the decode itself. Here an executable is stored under a key of everything its program depends
 on: the program's name and static values, the arguments' tree (which holds the decoder's configs) and
 their shapes, dtypes and shardings, the devices and the process's index among several, the versions of jax
-and jaxlib, and the digest of jspec's own source. Files are the user's own cache (like JAX's, loading one
-runs its code); one that cannot be read is compiled again.
+and jaxlib, XLA's options (`XLA_FLAGS`), and the digest of jspec's own source. Files are the user's own
+cache (like JAX's, loading one runs its code); one that cannot be read is compiled again.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def path(cache_dir: str, name: str, args: tuple, static: dict[str, Any]) -> Path
   leaves = tuple((x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in jax.tree.leaves(args))
   identity = repr((name, sorted(static.items()), str(jax.tree.structure(args)), leaves, jax.__version__,
                    jaxlib.__version__, [str(d) for d in jax.devices()], jax.process_index(), jax.config.jax_enable_x64,
-                   jax.config.jax_default_matmul_precision, source_digest()))
+                   jax.config.jax_default_matmul_precision, os.environ.get("XLA_FLAGS", ""), source_digest()))
   return Path(cache_dir) / SUBDIR / f"{name}-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.bin"
 
 

@@ -1,6 +1,7 @@
 """Executables kept on disk: a later process loads the program it needs instead of compiling it, and gets
 the same tokens; another program, other shapes or a damaged file never load a wrong executable."""
 import logging
+import os
 
 import jax
 import pytest
@@ -55,10 +56,13 @@ def test_a_damaged_file_is_compiled_again(cache_dir):
   assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
 
 
-def test_the_key_changes_with_the_source_and_the_static_values(cache_dir, monkeypatch):
+def test_the_key_changes_with_the_source_xla_options_and_the_static_values(cache_dir, monkeypatch):
   requests_args = (jax.numpy.zeros((2, 3)),)
   a = executables.path(str(cache_dir), "decode", requests_args, {"capacity": 64})
   assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 64}) == a
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+  assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 64}) != a
+  monkeypatch.undo()
   monkeypatch.setattr(executables, "source_digest", lambda: "edited")
   assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 64}) != a
   assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 128}) != a
