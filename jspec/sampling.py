@@ -59,12 +59,13 @@ def _filter_top_k_top_p(logits_BxSxV: jax.Array, top_k_B: jax.Array, top_p_B: ja
   vocab = logits_BxSxV.shape[-1]
   keys = _ordered_keys(logits_BxSxV)
   k_BxS = jnp.broadcast_to(jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)[:, None], keys.shape[:-1])
-  kth = lax.cond(jnp.any(top_k_B > 0), _largest_key_above, lambda *_: jnp.zeros(k_BxS.shape, jnp.uint32),
-                 keys, jnp.ones((), jnp.float32), k_BxS.astype(jnp.float32))  # 0: every key is above it
+  # Each search runs only when a row asks for it; else 0, which every key is above.
+  search = lambda asked, *args: lax.cond(asked, _largest_key_above,
+                                         lambda *_: jnp.zeros(keys.shape[:-1], jnp.uint32), *args)
+  kth = search(jnp.any(top_k_B > 0), keys, jnp.ones((), jnp.float32), k_BxS.astype(jnp.float32))
   logits_BxSxV = jnp.where(keys > kth[..., None], logits_BxSxV, -jnp.inf)
-  probs = jax.nn.softmax(logits_BxSxV, axis=-1)
   p_BxS = jnp.broadcast_to(top_p_B[:, None], keys.shape[:-1])
-  last = _largest_key_above(keys, probs, p_BxS)
+  last = search(jnp.any(top_p_B < 1.0), keys, jax.nn.softmax(logits_BxSxV, axis=-1), p_BxS)
   return jnp.where((keys > last[..., None]) | (p_BxS[..., None] >= 1.0), logits_BxSxV, -jnp.inf)
 
 
@@ -83,7 +84,7 @@ def _processed(logits_BxSxV: jax.Array, params: SamplingParams) -> jax.Array:
   temperature = params.temperature[:, None, None]
   scaled = logits_BxSxV / jnp.where(temperature > 0, temperature, 1.0)
   filtering = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
-  # Filtering is the costly part (32 passes over V for top-k, 32 for top-p); skip it when no row asks for it.
+  # Filtering is the costly part (32 passes over V each for top-k and top-p); skip it when no row asks for it.
   return lax.cond(filtering, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p)
 
 
