@@ -49,6 +49,11 @@ def test_health_says_what_a_starting_server_does(server):
   """It listens at once: 503 with the phase (and Retry-After) until it can serve."""
   assert STARTING and all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in STARTING)
   assert all(r.json()["error"]["message"].startswith("the server is starting: ") for r in STARTING)
+  # Ready: /metrics says where the adaptive policy's cost model comes from, and that nothing calibrates.
+  sources = re.findall(r'^jspec:cost_model_info{.*source="(\w+)".*} 1\.0$', httpx.get(f"{server[1]}/metrics").text,
+                       re.M)
+  assert len(sources) == 1 and sources[0] in ("calibrated", "checkpoint")
+  assert metric(server[1], "jspec:calibrating") == 0
 
 
 @pytest.fixture(scope="module")

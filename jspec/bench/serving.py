@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import pathlib
+import re
 import statistics
 import sys
 import tempfile
@@ -92,7 +93,10 @@ def _started(*flags: str) -> tuple:
 
 
 def _server_flags(models: Models, drafter: str | None) -> list[str]:
-  flags = ["--target", str(models.target), "--served-model-name", MODEL]
+  """A server of these models. It measures no cost model of its own once ready (minutes of both models'
+  programs running beside what is measured): the speculative one decodes with the checkpoint's figures, or a
+  calibration kept earlier (`python -m jspec.calibrate`), as its `jspec:cost_model_info` says."""
+  flags = ["--target", str(models.target), "--served-model-name", MODEL, "--no-calibrate"]
   if drafter is None:
     return flags + ["--no-draft"]
   if drafter in models.drafts:
@@ -130,11 +134,13 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
     prefill = _metric(url, "jspec:request_prefill_time_seconds_sum") / \
         _metric(url, "jspec:request_prefill_time_seconds_count")
     segment = _metric(url, "jspec:segment_time_seconds_sum") / _metric(url, "jspec:segment_time_seconds_count")
+    cost_model = _cost_model_source(url)
   finally:
     for proc, _ in servers.values():
       stop(proc)
   one = rows[0]["speculative"]
   result = {"drafter": drafter, "batch_size": batch_size, "output_lens": list(output_lens), "rows": rows,
+            "cost_model": cost_model,
             "mean_prefill_seconds": prefill, "mean_segment_seconds": segment, "startup": startup,
             "goals": {"one_at_a_time_ratio": rows[0]["throughput_ratio"], "one_at_a_time_goal": 1.5,
                       "saturation_ratio": rows[-1]["throughput_ratio"], "saturation_goal": 0.95,
@@ -143,6 +149,12 @@ def suite_serving(models: Models, drafter: str, rates: list[float], requests: in
     (out_dir / "serving.md").write_text(markdown(result))
     plot(result, out_dir / "serving.png")
   return result
+
+
+def _cost_model_source(url: str) -> str | None:
+  """Where the server's adaptive policy's cost model comes from (`jspec:cost_model_info`), if it has one."""
+  found = re.search(r'^jspec:cost_model_info{.*source="(\w+)".*} 1\.0$', httpx.get(f"{url}/metrics").text, re.M)
+  return found and found.group(1)
 
 
 def _in_turn(servers: dict, jobs: list[tuple[str, int]], rate: float | None, repeats: int) -> dict[str, list]:
@@ -186,7 +198,8 @@ def markdown(result: dict) -> str:
                  f"{1e3 * p['gap_p99']:.0f} | {s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} | "
                  f"{p['e2e_p50']:.2f} / {p['e2e_p99']:.2f} |")
   up = result["startup"]
-  lines += ["", f"Start to ready (speculative server, empty compile cache): first {up['first_ready_seconds']:.1f} s, "
+  lines += ["", f"The speculative server's cost model: {result.get('cost_model') or 'none'} figures.",
+            "", f"Start to ready (speculative server, empty compile cache): first {up['first_ready_seconds']:.1f} s, "
                 f"second {up['second_ready_seconds']:.1f} s."]
   return "\n".join(lines) + "\n"
 

@@ -56,9 +56,20 @@ class Metrics:
     self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
     self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
     self.compiling = gauge("programs_compiling", "Programs the server compiles in the background now.")
+    self.calibrating = gauge("calibrating", "1 while the server measures its drafter's cost model (kept; it applies "
+                             "from the next start).")
+    self._cost_model = Gauge("jspec:cost_model_info", "1 for where the adaptive policy's cost model in use comes "
+                             "from: calibrated (measured here), checkpoint (the drafter's) or neutral.",
+                             ["model_name", "source"], registry=registry)
     self.model_name = model_name
     self._last: DecodeStats | None = None
     self._counted = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+
+  def cost_model(self, source: str | None) -> None:
+    """Says where the running programs' cost model comes from (`jspec.costs.SOURCES`; None: no adaptive
+    policy, nothing said)."""
+    if source is not None:
+      self._cost_model.labels(self.model_name, source).set(1)
 
   def observe_engine(self, engine) -> None:
     """The engine's queue and pages after a step (`jspec.scheduler.Engine`)."""

@@ -53,6 +53,9 @@ class Startup:
     several = (args.num_processes or 1) > 1
     target, models, engine = build_engine(args, lambda phase: setattr(self, "phase", phase))
     self.target = target
+    adaptive = engine.decoder.adaptive if engine.decoder.drafter is not None else None
+    source = adaptive and adaptive.cost_source
+    self.metrics.cost_model(source)
     self.loop = EngineLoop(engine, self.metrics, args.max_queue, hosts.Leader() if several else None, stop)
     self.loop.start()
     self.phase = "ready"
@@ -67,8 +70,14 @@ class Startup:
       future.result()
       self.metrics.compiling.dec()
     bar.close()
-    if not args.no_calibrate and calibrate(target, models, engine.slots):
-      log.info("calibrated: the next start uses the measured cost model")
+    if args.no_calibrate:
+      return
+    self.metrics.calibrating.set(1)
+    try:
+      if calibrate(target, models, engine.slots, source):
+        log.info("calibrated: the next start uses the measured cost model")
+    finally:
+      self.metrics.calibrating.set(0)
 
 
 
@@ -92,11 +101,11 @@ def build_engine(args: argparse.Namespace, say: Callable[[str], None] = lambda _
   return target, models, engine
 
 
-def calibrate(target, models: dict, slots: int) -> bool:
+def calibrate(target, models: dict, slots: int, using: str | None = None) -> bool:
   """Measures the cost model adaptive speculation reads (at batch 1 and the slots) when none is kept for
   these models on this device, as vLLM profiles at start-up, and keeps it: it applies from the next start
-  (the running programs were compiled with the checkpoint's or neutral figures). Meshes keep the figures
-  they have. True when it measured."""
+  (the running programs were compiled with the `using` figures: the checkpoint's or neutral ones). Meshes
+  keep the figures they have. True when it measured."""
   from jspec import calibration, costs
   from jspec.decoder import drafter_kind
 
@@ -107,7 +116,7 @@ def calibrate(target, models: dict, slots: int) -> bool:
   if costs.stored(target, draft, kind) is not None:
     return False
   log.info("calibrating the %s drafter's cost model while serving (kept for the next start; until then the "
-           "checkpoint's or neutral figures; --no-calibrate skips)", kind)
+           "%s figures; --no-calibrate skips)", kind, using or "checkpoint's or neutral")
   costs.store(target, draft, kind, calibration.measure(target, draft, kind, sorted({1, slots}),
                                                         draft_len=spec.draft_len))
   return True
