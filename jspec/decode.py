@@ -314,12 +314,16 @@ def _draft_and_verify(decoder: Decoder, draft_len: int, state: DecodeState, keys
   return run_if(~has_any, lambda s: plain_step(decoder, s, verify_keys), state)
 
 
-def speculative_step(decoder: Decoder, state: DecodeState) -> DecodeState:
-  """One speculative round: propose, verify and commit (or, adaptively, a plain step)."""
+def speculative_step(decoder: Decoder, state: DecodeState, plain: bool = False) -> DecodeState:
+  """One speculative round: propose, verify and commit (or, adaptively, a plain step). `plain` (adaptive
+  chains): always the adaptive policy's plain step, with its keys: a program without the drafter's rounds."""
   spec = decoder.spec
   if spec.tree is not None:
     return _draft_tree_and_verify(decoder, state)
   state, keys = _split_keys(state, spec.draft_len + 1)
+  if plain:
+    state = plain_step(decoder, state, keys[-1])
+    return state.replace(stats=state.stats.count_schedule(0))
   if spec.adaptive is None:
     state = _draft_and_verify(decoder, spec.draft_len, state, keys)
     return state.replace(stats=state.stats.count_schedule(spec.draft_len))
@@ -336,20 +340,22 @@ def speculative_step(decoder: Decoder, state: DecodeState) -> DecodeState:
   return state.replace(stats=stats)
 
 
-def step(decoder: Decoder, state: DecodeState) -> DecodeState:
-  """One round: a speculative one when the decoder has a drafter, else a plain step."""
-  return autoregressive_step(decoder, state) if decoder.drafter is None else speculative_step(decoder, state)
+def step(decoder: Decoder, state: DecodeState, plain: bool = False) -> DecodeState:
+  """One round: a speculative one when the decoder has a drafter (`plain`: see `speculative_step`), else a
+  plain step."""
+  return autoregressive_step(decoder, state) if decoder.drafter is None else speculative_step(decoder, state, plain)
 
 
 def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
-        stop_at_finish: jax.Array | bool = False) -> DecodeState:
+        stop_at_finish: jax.Array | bool = False, plain: bool = False) -> DecodeState:
   """Decodes until every row is done, in one `lax.while_loop`. Pure: jit it yourself or use
   `jspec.programs`.
 
   A segment: with `max_rounds` it also stops after that many rounds, and with `stop_at_finish` as soon as
   a row that was running finishes; both are runtime values, so one executable serves every segment, and
   the host continues the returned state (streaming, refilling finished rows with `insert`). The segments of
-  a request decode exactly what one call would: nothing but the state carries over between rounds."""
+  a request decode exactly what one call would: nothing but the state carries over between rounds.
+  `plain` (adaptive chains): every round the adaptive policy's plain step (`speculative_step`)."""
   trace_counts["speculative" if decoder.drafter is not None else "autoregressive"] += 1
   max_rounds = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
   running_B = ~state.done_B
@@ -359,4 +365,4 @@ def run(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None
     finished = jnp.any(running_B & state.done_B) & stop_at_finish
     return ~jnp.all(state.done_B) & (rounds < max_rounds) & ~finished
 
-  return lax.while_loop(more, lambda c: (step(decoder, c[0]), c[1] + 1), (state, jnp.int32(0)))[0]
+  return lax.while_loop(more, lambda c: (step(decoder, c[0], plain), c[1] + 1), (state, jnp.int32(0)))[0]

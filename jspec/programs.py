@@ -74,12 +74,14 @@ class Report(NamedTuple):
 
 
 def _segment(decoder: Decoder, state: decode.DecodeState, max_rounds: jax.Array, stop_at_finish: jax.Array,
-             retire_B: jax.Array, *, width: int, window: int = 1) -> tuple[decode.DecodeState, Report]:
+             retire_B: jax.Array, *, width: int, window: int = 1,
+             plain: bool = False) -> tuple[decode.DecodeState, Report]:
   """A segment of the loop over the first `width` rows (`run_rows`), and the part of its state the host
   reads: buffers of their own, so the host can read them while the next segment updates the state. A
-  segment commits at most `window` tokens a row (its rounds times a round's most)."""
+  segment commits at most `window` tokens a row (its rounds times a round's most). `plain`: every round the
+  adaptive policy's plain step (`decode.run`)."""
   before_B = state.seq_lens_B
-  state = run_rows(decoder, state, max_rounds, stop_at_finish, retire_B, width=width)
+  state = run_rows(decoder, state, max_rounds, stop_at_finish, retire_B, width=width, plain=plain)
   scored = None if state.logprobs is None else state.logprobs.window(before_B, window)
   return state, Report(state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats, scored)
 
@@ -89,7 +91,7 @@ def _segment(decoder: Decoder, state: decode.DecodeState, max_rounds: jax.Array,
 # of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
 # place on accelerators, and the caller holds only what each call returns.
 start = jax.jit(decode.start, static_argnames="capacity")
-segment = jax.jit(_segment, static_argnames=("width", "window"), donate_argnames="state")
+segment = jax.jit(_segment, static_argnames=("width", "window", "plain"), donate_argnames="state")
 insert = jax.jit(insert, donate_argnames="state")
 prefill_pages = jax.jit(prefill_pages, donate_argnames="state")
 

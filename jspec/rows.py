@@ -18,17 +18,17 @@ from jspec.request import Batch, make_batch
 
 def run_rows(decoder: Decoder, state: DecodeState, max_rounds: jax.Array | int | None = None,
              stop_at_finish: jax.Array | bool = False, retire_B: jax.Array | None = None, *,
-             width: int) -> DecodeState:
+             width: int, plain: bool = False) -> DecodeState:
   """`run` over the first `width` rows only (static: one program per width); the other rows must be done
   (idle slots). Done rows still cost their share of every batched forward, so a running batch whose busy
   rows fit a narrower width decodes faster in it. `retire_B` marks rows of any width to end first (aborted
-  requests, idle slots)."""
+  requests, idle slots). `plain`: as `run`'s."""
   if retire_B is not None:
     state = state.replace(done_B=state.done_B | retire_B)
   blocks = _state_row_blocks(decoder, state)
   leaves, treedef = jax.tree.flatten(state)
   narrow = [x if b is None else lax.slice_in_dim(x, 0, width * b[1], axis=b[0]) for x, b in zip(leaves, blocks)]
-  narrow = jax.tree.leaves(run(decoder, jax.tree.unflatten(treedef, narrow), max_rounds, stop_at_finish))
+  narrow = jax.tree.leaves(run(decoder, jax.tree.unflatten(treedef, narrow), max_rounds, stop_at_finish, plain))
   return jax.tree.unflatten(treedef, [y if b is None else lax.dynamic_update_slice_in_dim(x, y, 0, b[0])
                                       for x, y, b in zip(leaves, narrow, blocks)])
 

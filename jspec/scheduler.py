@@ -251,6 +251,7 @@ class Engine:
     self._running: list[_Running | None] = [None] * slots
     self._retire_B = np.ones((slots,), bool)  # rows to end at the next segment (idle or aborted)
     self._state = None
+    self._plain_first = False  # segments decode plainly until a speculative program is ready (`prepare`)
     self._device_stats = None  # the statistics after the last segment read, on the host
     self._unread: collections.deque[_Segment] = collections.deque()  # set going, oldest first
     self._last_read = 0.0  # when the host last finished waiting for a segment (time.perf_counter)
@@ -322,6 +323,11 @@ class Engine:
     return bool(self._waiting or self._aborted or self._unread) or self.num_running > 0
 
   @property
+  def decodes_plainly_first(self) -> bool:
+    """Whether segments step plainly until a speculative program is ready (`prepare`)."""
+    return self._plain_first
+
+  @property
   def running_B(self) -> np.ndarray:
     """Which slots hold a request."""
     return np.asarray([r is not None for r in self._running])
@@ -386,8 +392,11 @@ class Engine:
     fits = [w for w in self.widths if w > busy]
     narrowest = self._executable("segment", programs.segment, args, False, **self._segment_static(fits[0]))
     ready = [w for w in fits if self._key("segment", args, self._segment_static(w)) in self._executables]
-    width = fits[0] if narrowest is not None or not ready else ready[0]
-    self._state, report = self._call("segment", programs.segment, *args, **self._segment_static(width))
+    if narrowest is None and not ready and self._plain_first:  # speculation's programs compile: step plainly
+      static = self._segment_static(self.slots, plain=True)
+    else:
+      static = self._segment_static(fits[0] if narrowest is not None or not ready else ready[0])
+    self._state, report = self._call("segment", programs.segment, *args, **static)
     self._retire_B[:] = False
     for run in self._running:
       if run is not None:
@@ -433,10 +442,11 @@ class Engine:
         deltas.append(Delta(run.id, text, new_ids, logprobs=scored, prompt_logprobs=run.take_prompt_logprobs()))
     return deltas
 
-  def _segment_static(self, width: int) -> dict:
-    """The segment program's static arguments: its width, and the most tokens a row commits in a longest
-    segment (whose log-probabilities it hands back)."""
-    return {"width": width, "window": self.segment_rounds * (self.decoder.draft_len + 1)}
+  def _segment_static(self, width: int, plain: bool = False) -> dict:
+    """The segment program's static arguments: its width, the most tokens a row commits in a longest
+    segment (whose log-probabilities it hands back), and `plain` when it only takes plain steps."""
+    static = {"width": width, "window": self.segment_rounds * (self.decoder.draft_len + 1)}
+    return {**static, "plain": True} if plain else static
 
   def _segment_args(self, rounds: int) -> tuple:
     return (self.decoder, self._state, np.int32(rounds), np.asarray(bool(self._waiting)), self._retire_B.copy())
@@ -725,9 +735,6 @@ class Engine:
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-compile")
     if not ahead:
       return []
-    for width in self.widths:
-      self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), False,
-                       **self._segment_static(width))
     for n in self._prompt_lens():
       warm = Request([0] * n, 1)
       if self.page_table is None or pages_for(self._written(warm, 1)) <= self.page_table.pages:
@@ -736,17 +743,27 @@ class Engine:
       if width + 2 < self.max_len:
         args = (self.decoder, self._state, self._requests([Request([0] * (width + 2), 1)], None, 0, 0, width))
         self._executable("chunk", programs.prefill_pages, args, False)
+    for width in self.widths:  # after the prefills, which every new request waits for
+      self._executable("segment", programs.segment, self._segment_args(self.segment_rounds), False,
+                       **self._segment_static(width))
     with self._lock:
       return list(self._compiling.values())
 
-  def prepare(self) -> int:
+  def prepare(self, plain_first: bool = False) -> int:
     """Compiles (or loads) what every request needs: the idle rows' prefill and a segment over every row.
-    Returns the programs it compiled or loaded."""
+    With `plain_first`, where the adaptive policy's plain steps keep the drafter's state (an adaptive chain
+    of a drafter that does not lag them), that segment only takes plain steps: a program a fraction of the
+    speculative one's size, so the engine serves sooner, and until a speculative segment that holds the busy
+    rows is ready (compiled in the background: `compile_in_background`), segments step plainly, the same
+    tokens' law as speculation. Returns the programs it compiled or loaded."""
     before = len(self._executables)
     if self._state is None:
       self._start()
+    decoder = self.decoder
+    self._plain_first = plain_first and decoder.adaptive is not None and decoder.spec.tree is None and \
+        decoder.drafter is not None and not decoder.drafter.lags_plain_steps
     self._executable("segment", programs.segment, self._segment_args(self.segment_rounds),
-                     **self._segment_static(self.slots))
+                     **self._segment_static(self.slots, plain=self._plain_first))
     return len(self._executables) - before
 
   def _start(self) -> None:

@@ -181,3 +181,32 @@ def test_a_request_whose_program_compiles_in_the_background_waits_while_others_r
   release.set()
   out = drain(engine)
   assert [t for d in out["long"] for t in d.token_ids] == alone(pair, [9] * 40, 10)
+
+
+def test_an_engine_prepared_plain_first_steps_plainly_until_speculation_is_compiled(pair, monkeypatch):
+  """`prepare(plain_first=True)` (the server's): until the speculative segment compiles (held here), segments
+  take only plain steps, the target's greedy tokens; once it is ready the engine speculates, the same tokens."""
+  target, _ = pair
+  engine = jspec.make_engine(target, draft=testing.random_draft("eagle", target), slots=2, max_len=96,
+                             segment_rounds=2)
+  release, compile = threading.Event(), engine._compile
+
+  def held(key, *args):
+    if key[0] == "segment" and ("plain", True) not in key[3]:
+      release.wait(60)
+    compile(key, *args)
+
+  monkeypatch.setattr(engine, "_compile", held)
+  engine.prepare(plain_first=True)
+  engine.compile_in_background(ahead=False)
+  assert engine.decodes_plainly_first
+  expected = jspec.generate(target, [[5, 6, 7]], max_new_tokens=12).token_ids[0]
+  engine.add(Request([5, 6, 7], 12), "plain")
+  out = drain(engine)["plain"]
+  assert [t for d in out for t in d.token_ids] == expected and out[-1].stats.drafts == 0
+  release.set()
+  for future in list(engine._compiling.values()):
+    future.result()
+  engine.add(Request([5, 6, 7], 12), "speculative")
+  out = drain(engine)["speculative"]
+  assert [t for d in out for t in d.token_ids] == expected and out[-1].stats.drafts > 0

@@ -51,18 +51,22 @@ class Startup:
   def _start(self, stop: Callable[[], None]) -> None:
     args, begin = self.args, time.perf_counter()
     several = (args.num_processes or 1) > 1
-    target, models, engine = build_engine(args, lambda phase: setattr(self, "phase", phase))
+    target, models, engine = build_engine(args, lambda phase: setattr(self, "phase", phase), plain_first=not several)
     self.target = target
     adaptive = engine.decoder.adaptive if engine.decoder.drafter is not None else None
     source = adaptive and adaptive.cost_source
     self.metrics.cost_model(source)
+    # Served from one process, the programs a request needs and the engine lacks compile in the background
+    # from the first step on.
+    compiling = [] if several else engine.compile_in_background(ahead=not args.lazy_compile)
     self.loop = EngineLoop(engine, self.metrics, args.max_queue, hosts.Leader() if several else None, stop)
     self.loop.start()
     self.phase = "ready"
     log.info("ready in %.1f s: serving %s at %s/v1", time.perf_counter() - begin, self.metrics.model_name, self.url)
+    if engine.decodes_plainly_first:
+      log.info("decoding plainly until speculation's programs are compiled (in the background)")
     if several:
       return
-    compiling = engine.compile_in_background(ahead=not args.lazy_compile)
     bar = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program", file=sys.stderr,
                desc="compiling the other programs in the background", disable=not compiling)
     self.metrics.compiling.set(len(compiling))
@@ -81,9 +85,10 @@ class Startup:
 
 
 
-def build_engine(args: argparse.Namespace, say: Callable[[str], None] = lambda _: None) -> tuple:
+def build_engine(args: argparse.Namespace, say: Callable[[str], None] = lambda _: None,
+                 plain_first: bool = False) -> tuple:
   """(target, the model keywords of `flags.load_models`, an engine with what every request needs compiled),
-  as the flags ask; `say` hears each phase."""
+  as the flags ask; `say` hears each phase. `plain_first`: see `Engine.prepare`."""
   say("loading the models")
   log.info("loading the models")
   target, models = flags.load_models(args, flags.speculation(args))
@@ -97,7 +102,7 @@ def build_engine(args: argparse.Namespace, say: Callable[[str], None] = lambda _
   engine.quiet = True
   say("compiling the programs every request needs")
   log.info("compiling the programs every request needs (%d slots of %d tokens)", engine.slots, engine.max_len)
-  engine.prepare()
+  engine.prepare(plain_first)
   return target, models, engine
 
 
