@@ -323,6 +323,12 @@ class Engine:
     return bool(self._waiting or self._aborted or self._unread) or self.num_running > 0
 
   @property
+  def num_compiling(self) -> int:
+    """Programs compiling in the background now (`compile_in_background`)."""
+    with self._lock:
+      return sum(not f.done() for f in self._compiling.values())
+
+  @property
   def decodes_plainly_first(self) -> bool:
     """Whether segments step plainly until a speculative program is ready (`prepare`)."""
     return self._plain_first
@@ -392,10 +398,10 @@ class Engine:
     fits = [w for w in self.widths if w > busy]
     narrowest = self._executable("segment", programs.segment, args, False, **self._segment_static(fits[0]))
     ready = [w for w in fits if self._key("segment", args, self._segment_static(w)) in self._executables]
-    if narrowest is None and not ready and self._plain_first:  # speculation's programs compile: step plainly
-      static = self._segment_static(self.slots, plain=True)
-    else:
-      static = self._segment_static(fits[0] if narrowest is not None or not ready else ready[0])
+    static = self._segment_static(fits[0] if narrowest is not None or not ready else ready[0])
+    plain = self._segment_static(self.slots, plain=True)
+    if narrowest is None and not ready and self._key("segment", args, plain) in self._executables:
+      static = plain  # speculation's programs compile: step plainly with the program `prepare` compiled
     self._state, report = self._call("segment", programs.segment, *args, **static)
     self._retire_B[:] = False
     for run in self._running:

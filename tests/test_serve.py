@@ -41,6 +41,14 @@ def server():
   proc, url = start("--target", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-queue", str(MAX_QUEUE),
                     "--segment-rounds", "4", "--batch-size", "2", "--draft-len", "2", "--no-calibrate",
                     "--lazy-compile", starting=STARTING)
+  # It serves plainly at once; first requests of one and two rows ask for the speculative programs of both
+  # widths, compiled in the background: the tests start once they are ready.
+  for n in (1, 2):
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": n}, timeout=120)
+  deadline = time.monotonic() + 300
+  while metric(url, "jspec:programs_compiling"):
+    assert time.monotonic() < deadline, "programs still compiling"
+    time.sleep(0.2)
   yield proc, url
   stop(proc)
 

@@ -59,6 +59,7 @@ class Startup:
     # Served from one process, the programs a request needs and the engine lacks compile in the background
     # from the first step on.
     compiling = [] if several else engine.compile_in_background(ahead=not args.lazy_compile)
+    self.metrics.compiling.set_function(lambda: engine.num_compiling)  # those asked later too
     self.loop = EngineLoop(engine, self.metrics, args.max_queue, hosts.Leader() if several else None, stop)
     self.loop.start()
     self.phase = "ready"
@@ -69,10 +70,8 @@ class Startup:
       return
     bar = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program", file=sys.stderr,
                desc="compiling the other programs in the background", disable=not compiling)
-    self.metrics.compiling.set(len(compiling))
     for future in bar:
       future.result()
-      self.metrics.compiling.dec()
     bar.close()
     if args.no_calibrate:
       return
