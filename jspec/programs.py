@@ -124,12 +124,18 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = 
   executable = executables.load(stored) if stored else None
   loaded = executable is not None
   if executable is None:
-    before = _jax_events().copy()
-    executable = lowering().compile()
-    seen = _jax_events() - before
+    lowered = lowering()
+    executable, seen = _compile(lowered)
+    if stored and seen[CACHE_HIT]:
+      # XLA:CPU's executable loaded from JAX's cache fails to run once serialized again, and JAX's cache would
+      # answer every later process alike (it holds what an earlier jspec, whose store had another key,
+      # compiled): compile it once more under an option only this store's key carries (how many buffers a
+      # debug print of the buffer assignment shows: nothing the program does), and store that.
+      unshared = {"xla_debug_buffer_assignment_show_max": int(stored.stem[-8:], 16) + 1}
+      executable, seen = _compile(lowered, unshared)
     loaded = bool(seen[CACHE_HIT])
-    # Stored only when XLA compiled it now: XLA:CPU's executable loaded from JAX's cache (now, or earlier in
-    # this process, which `compile()` then returns with no event) fails to run once serialized again.
+    # Stored only when XLA compiled it now (not one JAX loaded from its cache, nor one it loaded earlier in
+    # this process, which `compile()` returns with no event).
     if stored and seen[BACKEND_COMPILE] and not loaded:
       executables.store(stored, executable)
   with _lock:
@@ -139,6 +145,13 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = 
   seconds = time.perf_counter() - begin
   say("%s the %s program in %.1f s", "loaded" if loaded else "compiled", name, seconds)
   return executable, seconds
+
+
+def _compile(lowered: Any, options: dict | None = None) -> tuple[Any, collections.Counter]:
+  """`lowered` compiled, and the JAX events it raised (whether XLA compiled it, or JAX's cache held it)."""
+  before = _jax_events().copy()
+  executable = lowered.compile(compiler_options=options)
+  return executable, _jax_events() - before
 
 
 def use_compile_cache(directory: str) -> None:

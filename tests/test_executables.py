@@ -68,16 +68,23 @@ def test_the_key_changes_with_the_source_xla_options_and_the_static_values(cache
   assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 128}) != a
 
 
-def test_a_program_from_jaxs_cache_is_not_stored_again(cache_dir):
-  """XLA:CPU's executable loaded from JAX's compilation cache, serialized again, fails to run once loaded
-  ("Function ... not found"): only what XLA compiled is stored."""
+def test_a_program_only_jaxs_cache_holds_is_compiled_once_more_and_stored(cache_dir, caplog):
+  """After an upgrade JAX's compilation cache holds a program that jspec's store (keyed by jspec's source)
+  does not. XLA:CPU's executable loaded from JAX's cache fails to run once serialized again ("Function ... not
+  found"), so it is compiled once more under a key of its own and stored: later processes load it."""
   target = testing.random_model(NO_EOS, seed=0)
-  jspec.generate(target, ["x"], max_new_tokens=2)
+  first = jspec.generate(target, ["x"], max_new_tokens=4)
   for file in stored(cache_dir):
     file.unlink()
   programs.release_executables()
-  jspec.generate(target, ["x"], max_new_tokens=2)  # from JAX's cache
-  assert stored(cache_dir) == []
+  jax.clear_caches()
+  again = jspec.generate(target, ["x"], max_new_tokens=4)  # held by JAX's cache: compiled again and stored
+  assert len(stored(cache_dir)) == 1
+  programs.release_executables()
+  with caplog.at_level(logging.INFO, logger="jspec"):
+    last = jspec.generate(target, ["x"], max_new_tokens=4)
+  assert "loaded the decode program" in caplog.text and "compiling" not in caplog.text
+  assert first.token_ids == again.token_ids == last.token_ids
 
 
 def test_a_program_jax_holds_from_its_cache_is_not_stored(cache_dir):
