@@ -755,6 +755,12 @@ class Engine:
     with self._lock:
       return list(self._compiling.values())
 
+  def stop_compiling(self) -> None:
+    """Cancels the background compiles not yet started, so that a process stopping waits only for the one
+    running (not for every program left to compile: minutes on a first start)."""
+    if self._compiler is not None:
+      self._compiler.shutdown(wait=False, cancel_futures=True)
+
   def prepare(self, plain_first: bool = False) -> int:
     """Compiles (or loads) what every request needs: the idle rows' prefill and a segment over every row.
     With `plain_first`, where the adaptive policy's plain steps keep the drafter's state (an adaptive chain

@@ -210,3 +210,24 @@ def test_an_engine_prepared_plain_first_steps_plainly_until_speculation_is_compi
   engine.add(Request([5, 6, 7], 12), "speculative")
   out = drain(engine)["speculative"]
   assert [t for d in out for t in d.token_ids] == expected and out[-1].stats.drafts > 0
+
+
+def test_stopping_cancels_the_background_compiles_not_yet_started(pair, monkeypatch):
+  """A stopping server waits for the program compiling now, not for every one queued behind it."""
+  target, draft = pair
+  engine = jspec.make_engine(target, draft=draft, spec=FIXED_K, slots=2, max_len=96, segment_rounds=2)
+  started, release, compile = threading.Event(), threading.Event(), engine._compile
+
+  def held(*args):
+    started.set()
+    release.wait(60)
+    compile(*args)
+
+  engine.prepare()
+  monkeypatch.setattr(engine, "_compile", held)
+  futures = engine.compile_in_background()
+  assert len(futures) > 1 and started.wait(60)
+  engine.stop_compiling()
+  release.set()
+  futures[0].result()
+  assert all(f.cancelled() for f in futures[1:]) and engine.num_compiling == 0

@@ -88,12 +88,14 @@ class EngineLoop:
     self._wake.set()
 
   def shutdown(self, timeout: float) -> None:
-    """Stops taking requests, aborts those left, and waits up to `timeout` seconds for the thread."""
+    """Stops taking requests, aborts those left, waits up to `timeout` seconds for the thread, and cancels
+    the background compiles not yet started."""
     self._closing = True
     self.abort(list(self._routes))
     self._stopped = True
     self._wake.set()
     self._thread.join(timeout)
+    self.engine.stop_compiling()
 
   def _run(self) -> None:
     engine = self.engine
