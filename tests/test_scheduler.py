@@ -187,8 +187,8 @@ def test_an_engine_prepared_plain_first_steps_plainly_until_speculation_is_compi
   """`prepare(plain_first=True)` (the server's): until the speculative segment compiles (held here), segments
   take only plain steps, the target's greedy tokens; once it is ready the engine speculates, the same tokens."""
   target, _ = pair
-  engine = jspec.make_engine(target, draft=testing.random_draft("eagle", target), slots=2, max_len=96,
-                             segment_rounds=2)
+  engine = jspec.make_engine(target, draft=testing.random_draft("eagle", target), spec=jspec.SpecConfig(2), slots=2,
+                             max_len=96, segment_rounds=2)
   release, compile = threading.Event(), engine._compile
 
   def held(key, *args):
