@@ -146,7 +146,8 @@ def test_continuous_batching_and_the_decoder(code_target):
   assert decoder.context_len == code_target.config.max_seq_len // decoder.drafter.spelling_len
   prompts = _prompts(code_target) * 2
   plain = jspec.generate(code_target, prompts, max_new_tokens=16).token_ids
-  streamed = jspec.stream(code_target, prompts, draft=draft, batch_size=2, max_new_tokens=16)
+  streamed = jspec.stream(code_target, prompts, draft=draft, spec=testing.fixed_k(3), batch_size=2,
+                          max_new_tokens=16)
   got = {}
   for delta in streamed:
     got.setdefault(delta.index, []).extend(delta.token_ids)
