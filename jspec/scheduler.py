@@ -240,6 +240,7 @@ class Engine:
     self.last_segment_seconds: float | None = None  # the last step's segment, with reading its tokens
     self._executables: dict = {}
     self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # compile_in_background's
+    self._compiles_stopped = False  # stop_compiling
     self._compiling: dict[tuple, concurrent.futures.Future] = {}
     self.stalled = False  # the last step neither ran nor handed out anything
     self.quiet = False  # True: compiles are logged at DEBUG (a server says its phases instead)
@@ -704,6 +705,8 @@ class Engine:
     with self._lock:
       compiling = self._compiling.get(key)
       if compiling is None and not wait and self._compiler is not None:
+        if self._compiles_stopped:  # a stopping engine: what needs this program waits
+          return None
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                               if isinstance(x, jax.Array) else x, args)
         self._compiling[key] = self._compiler.submit(self._compile, key, name, jitted, shapes, static)
@@ -760,6 +763,9 @@ class Engine:
     running (not for every program left to compile: minutes on a first start)."""
     if self._compiler is not None:
       self._compiler.shutdown(wait=False, cancel_futures=True)
+      with self._lock:
+        self._compiling = {key: f for key, f in self._compiling.items() if not f.cancelled()}
+        self._compiles_stopped = True
 
   def prepare(self, plain_first: bool = False) -> int:
     """Compiles (or loads) what every request needs: the idle rows' prefill and a segment over every row.

@@ -231,3 +231,5 @@ def test_stopping_cancels_the_background_compiles_not_yet_started(pair, monkeypa
   release.set()
   futures[0].result()
   assert all(f.cancelled() for f in futures[1:]) and engine.num_compiling == 0
+  engine.add(Request([5, 6, 7], 4), "late")  # its prefill program was cancelled: it waits, nothing fails
+  assert engine.step() == [] and engine.num_compiling == 0
