@@ -762,10 +762,10 @@ class Engine:
     """Cancels the background compiles not yet started, so that a process stopping waits only for the one
     running (not for every program left to compile: minutes on a first start)."""
     if self._compiler is not None:
-      self._compiler.shutdown(wait=False, cancel_futures=True)
-      with self._lock:
-        self._compiling = {key: f for key, f in self._compiling.items() if not f.cancelled()}
+      with self._lock:  # no thread submits a compile after the executor has shut down
         self._compiles_stopped = True
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self._compiling = {key: f for key, f in self._compiling.items() if not f.cancelled()}
 
   def prepare(self, plain_first: bool = False) -> int:
     """Compiles (or loads) what every request needs: the idle rows' prefill and a segment over every row.
