@@ -15,7 +15,8 @@ dozen rounds any rate is back near 1, a longer draft is tried, and what it measu
 tested every round outweighs the prior ten to one.
 The batch shares one target forward, so the policy is per batch:
 
-- K: the one that maximizes the mean over active rows of the expected speedup E[tokens | K] / cost(K),
+- K: among the policy's draft lengths (`AdaptiveConfig.lens`: 1, 2, 4, ... and K_max unless set), the one
+  that maximizes the mean over active rows of the expected speedup E[tokens | K] / cost(K),
   with E[tokens | K] = 1 + sum_{j<=K} r_1 ... r_j (1 where position i has no data yet) and cost(K)
   what a round of K drafts costs in target steps at the batch's size (`CostModel.round_cost`): as
   measured by `python -m jspec.calibrate`, else 1 + o + K (c + v), where c is the drafter's cost ratio,
@@ -23,7 +24,7 @@ The batch shares one target forward, so the policy is per batch:
   beyond its forwards (verification, bookkeeping, the draft's catch-up). With r_i = alpha and o = v = 0
   this is Leviathan's (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)); on a CPU a round is far from that line
   (a verify of a few tokens costs well over one step: docs/cpu-performance.md), and ignoring it picks
-  drafts of the wrong length. `initial_draft_len` until any row has data.
+  drafts of the wrong length. `initial_draft_len` (the longest length up to it) until any row has data.
 - Stepping aside: a plain step whatever the acceptance when no running row speculates (a request may turn
   speculation off), or when `disable_at_rows` rows or more run. The fallback below also takes plain steps
   when no K would beat a plain step even at full acceptance, at the costs for the batch's width (a
@@ -133,8 +134,11 @@ def choose(acceptance: Acceptance, active_B: jax.Array, policy: AdaptiveConfig, 
   has_data = active_B & ~jnp.isnan(alpha_B)
   rates_BxK = acceptance.position_rates
   gain_BxK = expected_speedup(rates_BxK, round_costs_K)
-  gain_K = _masked_mean(gain_BxK.T, has_data[None, :])
-  best = jnp.where(has_data.any(), 1 + jnp.argmax(gain_K), min(policy.initial_draft_len, max_draft_len))
+  lens = policy.lens(max_draft_len)
+  gain_K = jnp.where(jnp.isin(jnp.arange(1, max_draft_len + 1), jnp.asarray(lens)),
+                     _masked_mean(gain_BxK.T, has_data[None, :]), -jnp.inf)
+  initial = max(k for k in lens if k <= policy.initial_draft_len)
+  best = jnp.where(has_data.any(), 1 + jnp.argmax(gain_K), initial)
 
   window_B = acceptance.window_rate
   windowed = active_B & acceptance.window_full

@@ -327,13 +327,15 @@ def speculative_step(decoder: Decoder, state: DecodeState, plain: bool = False) 
   if spec.adaptive is None:
     state = _draft_and_verify(decoder, spec.draft_len, state, keys)
     return state.replace(stats=state.stats.count_schedule(spec.draft_len))
-  # One branch per K (and a plain step for K = 0), chosen at run time: nothing recompiles as K changes.
+  # One branch per draft length the policy offers (and a plain step for K = 0), chosen at run time: nothing
+  # recompiles as K changes.
   draft_len, probe = adaptive.choose(state.stats.acceptance, ~state.done_B, spec.adaptive, spec.draft_len,
                                      state.speculate_B)
+  lens = spec.adaptive.lens(spec.draft_len)
   branches = [lambda s: plain_step(decoder, s, keys[-1])]
-  branches += [lambda s, k=k: _draft_and_verify(decoder, k, s, keys) for k in range(1, spec.draft_len + 1)]
+  branches += [lambda s, k=k: _draft_and_verify(decoder, k, s, keys) for k in lens]
   before = state.seq_lens_B[0]
-  state = run_switch(draft_len, branches, state)
+  state = run_switch(jnp.sum(draft_len >= jnp.asarray(lens)), branches, state)
   stats = state.stats.count_schedule(draft_len, probe)
   if spec.trace_rounds:
     stats = stats.record_trace(draft_len, state.seq_lens_B[0] - before - 1)

@@ -112,6 +112,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                  help="plain steps while the windowed acceptance is below this (0 = never)")
   g.add_argument("--probe-interval", type=int, default=adaptive.probe_interval, metavar="N",
                  help="plain steps between speculative probes during fallback")
+  g.add_argument("--adaptive-draft-lens", default=None, metavar="K,K,...",
+                 help="the draft lengths adaptive K chooses among, each a branch of the compiled round (default: "
+                      "1, 2, 4, ... and --draft-len; every K from 1 compiles and loads more slowly)")
   g.add_argument("--cost-ratio", type=float, default=None, metavar="C",
                  help="c: the drafter's step cost over the target's (default: measured, from the drafter's "
                       "checkpoint, else 0.1; 0 for ngram)")
@@ -165,13 +168,20 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--process-id", type=int, default=None, metavar="I", help="multi-process: this one's index")
 
 
+def _draft_lens(text: str | None) -> tuple[int, ...]:
+  try:
+    return () if text is None else tuple(int(k) for k in text.split(","))
+  except ValueError:
+    raise ValueError(f"--adaptive-draft-lens takes integers separated by commas, got {text!r}") from None
+
+
 def speculation(args: argparse.Namespace) -> SpecConfig:
   """The speculation settings the flags ask for (validated: a bad value is a ValueError)."""
   adaptive = None
   if args.adaptive:
     adaptive = AdaptiveConfig(cost_ratio=args.cost_ratio, verify_cost=args.verify_cost,
                               round_overhead=args.round_overhead, fallback_threshold=args.fallback_threshold,
-                              probe_interval=args.probe_interval)
+                              probe_interval=args.probe_interval, draft_lens=_draft_lens(args.adaptive_draft_lens))
   tree = None
   if args.tree:
     choices = None

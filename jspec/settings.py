@@ -87,9 +87,10 @@ class CostModel:
   what `TreeConfig()` uses with it.
 
   `round_costs`: whole rounds of K = 1, 2, ... drafts measured in target steps, as the loop runs them
-  (`calibrate` times every K up to its `--draft-len`). A round's cost is not linear in K (a verify of 2
-  tokens may cost much more than 1 + v, of 8 less than 1 + 7 v), so what was measured wins over
-  1 + o + K (c + v) (`round_cost`); past the longest measured K the line continues from it.
+  (`calibrate` times 1, 2, 4, ... and its `--draft-len`, and interpolates the others). A round's cost is
+  not linear in K (a verify of 2 tokens may cost much more than 1 + v, of 8 less than 1 + 7 v), so what
+  was measured wins over 1 + o + K (c + v) (`round_cost`); past the longest measured K the line continues
+  from it.
 
   c, v, o and the round costs are measured at batch 1; `batches` holds them measured at larger batches,
   as ((batch, CostModel), ...) (in JSON, {"4": {"cost_ratio": ...}}): a batched verify of K+1 tokens a
@@ -169,6 +170,9 @@ class AdaptiveConfig:
   of them is set here), since a batched verify costs more target steps than one row's; a program reads
   those of its own width (the serving engine runs narrower programs when fewer rows are busy).
   `disable_at_rows`: plain steps while at least this many rows run (vLLM's disable-by-batch-size).
+  `draft_lens`: the K it chooses among (`lens`), each a branch of the compiled round that verifies at its
+  width: () gives 1, 2, 4, ... below K_max, and K_max (fewer branches than every K, so the program
+  compiles and loads faster: docs/adaptive.md).
   """
   cost_ratio: float | None = None
   verify_cost: float | None = None
@@ -182,6 +186,7 @@ class AdaptiveConfig:
   costs_by_rows: tuple[tuple[float, ...], ...] = ()  # rounds of K = 1..K_max, for batches of 1, 2, ... rows
   disable_at_rows: int | None = None
   cost_source: str | None = None  # where the cost model came from (`jspec.costs.SOURCES`)
+  draft_lens: tuple[int, ...] = ()
 
   def __post_init__(self):
     _check(self.disable_at_rows is None or (_is_int(self.disable_at_rows) and self.disable_at_rows >= 1),
@@ -192,6 +197,14 @@ class AdaptiveConfig:
     for name in ("probe_interval", "window", "initial_draft_len"):
       value = getattr(self, name)
       _check(_is_int(value) and value >= 1, f"{name} must be an integer >= 1, got {value}")
+    _check(all(_is_int(k) and k >= 1 for k in self.draft_lens),
+           f"draft_lens must be integers >= 1, got {self.draft_lens}")
+
+  def lens(self, max_draft_len: int) -> tuple[int, ...]:
+    """The draft lengths a round chooses among, up to `max_draft_len`, ascending; 1 always (probes draft
+    one token)."""
+    wanted = self.draft_lens or [*(1 << i for i in range(max_draft_len.bit_length())), max_draft_len]
+    return tuple(sorted({1} | {k for k in wanted if k <= max_draft_len}))
 
   @property
   def cost(self) -> CostModel:

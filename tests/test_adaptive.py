@@ -13,8 +13,9 @@ from jspec.config import num_params
 from jspec.decoder import make_decoder
 from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 
+# Every K up to 8 offered, so the decisions below follow the formula alone (the default offers 1, 2, 4, 8).
 POLICY = AdaptiveConfig(cost_ratio=0.1, verify_cost=0.05, round_overhead=0.0, fallback_threshold=0.4,
-                        probe_interval=4, window=4)
+                        probe_interval=4, window=4, draft_lens=tuple(range(1, 9)))
 CONFIG = testing.SMALL_VOCAB
 
 
@@ -64,6 +65,25 @@ def test_draft_len_follows_the_expected_speedup():
   rounds = [CostModel(c).round_cost(k) for k in range(1, 6)]
   np.testing.assert_allclose(adaptive.expected_speedup(jnp.full((1, 5), alpha), rounds)[0],
                              [(1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) for k in range(1, 6)], rtol=1e-5)
+
+
+def test_the_default_draft_lengths_are_powers_of_two_and_the_longest():
+  assert [AdaptiveConfig().lens(k) for k in (1, 2, 3, 6, 8, 12)] == [
+      (1,), (1, 2), (1, 2, 3), (1, 2, 4, 6), (1, 2, 4, 8), (1, 2, 4, 8, 12)]
+  assert AdaptiveConfig(draft_lens=(3, 5, 9)).lens(8) == (1, 3, 5)  # 1 always: probes draft one token
+  with pytest.raises(ValueError, match="draft_lens must be integers >= 1"):
+    AdaptiveConfig(draft_lens=(0, 2))
+  # The best of the lengths offered: rounds that accept 6 or 2 in turn make K = 6 best of all (above);
+  # of 1, 2, 4, 8 the formula's best is 4, and before any data the initial 4 (3 would start at 2).
+  mixed = stats_with([([6], 8), ([2], 8)] * 30)
+  offered = dataclasses.replace(POLICY, draft_lens=())
+  tokens = 1 + np.cumsum(np.cumprod(np.asarray(mixed.position_rates[0])))
+  gains = tokens / (1 + np.arange(1, 9) * (POLICY.cost_ratio + POLICY.verify_cost))
+  assert choose(mixed)[0] == 6 and choose(mixed, policy=offered)[0] == max((1, 2, 4, 8), key=lambda k: gains[k - 1])
+  assert choose(mixed, policy=offered)[0] == 4
+  fresh = adaptive.Acceptance.zeros(1, 4, 8)
+  assert choose(fresh, policy=offered)[0] == 4
+  assert choose(fresh, policy=dataclasses.replace(offered, initial_draft_len=3))[0] == 2
 
 
 def test_measured_rounds_win_over_the_line():
@@ -154,8 +174,8 @@ def pair():
 
 @pytest.mark.parametrize("drafter,threshold,draft_len", [("model", 0.95, 5), ("ngram", 0.0, 3)])
 def test_adaptive_greedy_equals_plain_decoding(pair, drafter, threshold, draft_len):
-  """With fallback and probes (a threshold few rounds reach; every K up to 5 a branch), and with speculation
-  that never falls back: the target's greedy tokens, its full-forward argmax."""
+  """With fallback and probes (a threshold few rounds reach; K = 1, 2, 4 or 5), and with speculation that
+  never falls back: the target's greedy tokens, its full-forward argmax."""
   target, draft = pair
   prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 3], [0, 0]]
   ar = jspec.generate(target, prompts, max_new_tokens=40)

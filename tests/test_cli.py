@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import checkpoint, cli, drafters, testing
+from jspec import checkpoint, cli, drafters, flags, testing
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -90,6 +90,8 @@ BAD = [
     (["--adaptive", "--cost-ratio", "-0.1"], "cost_ratio must be a finite number >= 0"),
     (["--adaptive", "--verify-cost", "nan"], "verify_cost must be a finite number >= 0"),
     (["--adaptive", "--round-overhead", "inf"], "round_overhead must be a finite number >= 0"),
+    (["--adaptive-draft-lens", "1,x"], "--adaptive-draft-lens takes integers separated by commas, got '1,x'"),
+    (["--adaptive-draft-lens", "0,2"], "draft_lens must be integers >= 1"),
     (["--seed", "-1"], "seeds must be in [0, 2**32)"),
     ([], "no prompt given"),
     (["--drafter", "medusa"], "the medusa drafter was given model weights"),
@@ -129,6 +131,12 @@ def test_bad_input_exits_2_with_one_line(ckpts, capsys, extra, message):
   err = capsys.readouterr().err
   assert code == 2
   assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_adaptive_draft_lengths_flag_sets_what_k_chooses_among():
+  spec = lambda *argv: flags.speculation(cli.parser().parse_args(["--prompt", "x", *argv]))
+  assert spec().adaptive.lens(8) == (1, 2, 4, 8)
+  assert spec("--adaptive-draft-lens", "1,2,3,5,8").adaptive.lens(8) == (1, 2, 3, 5, 8)
 
 
 def test_api_raises_value_error(ckpts):
