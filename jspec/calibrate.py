@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--batches", default="1", metavar="B,B",
                  help="batch sizes to measure at (batch 1 always)")
   p.add_argument("--draft-len", type=int, default=SpecConfig().draft_len, metavar="K",
-                 help="the longest draft whose round is timed (every K up to it is): the --draft-len you decode with")
+                 help="the longest draft whose round is timed (and 1, 2, 4, ... below it): the --draft-len you "
+                      "decode with")
   p.add_argument("--repeats", type=int, default=5, metavar="N", help="interleaved timings per figure (medians)")
   p.add_argument("--write", action="store_true",
                  help="also store the figures in the drafter's checkpoint (n-gram's: the target's), as the shipped "

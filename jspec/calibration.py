@@ -3,8 +3,9 @@
 
 c: what one more drafted token costs, over one target step; v: what each extra verified token adds to a
 target forward; o: what a speculative round of K drafts costs beyond 1 + K (c + v) target steps (the
-drafter's per-round work included; `jspec.adaptive`); and whole rounds of every K up to the longest
-draft, which adaptive speculation reads first (`CostModel.round_costs`). Each is a ratio of interleaved
+drafter's per-round work included; `jspec.adaptive`); and whole rounds of each draft length adaptive
+speculation offers by default up to the longest draft (1, 2, 4, ... and the longest; the lengths between
+are interpolated), which it reads first (`CostModel.round_costs`). Each is a ratio of interleaved
 medians of jitted loops of 32 steps over the same decode state, at each batch asked.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jspec import costs, decode, model, pallas_attention, registry
 from jspec.config import ModelConfig, num_params
 from jspec.decoder import make_decoder
 from jspec.request import make_batch
-from jspec.settings import CostModel, SpecConfig
+from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
 from jspec.timing import interleaved
 
 STEPS = 32  # steps per timed loop
@@ -166,19 +167,22 @@ def measure(target, draft, kind: str, batches: list[int] | tuple[int, ...] = (1,
             draft_len: int = 4) -> CostModel:
   """The cost model of `target` with this drafter on the default devices: batch 1's figures, the others as
   its `batches`, with the target's size and the backend and device kind they were measured on. Rounds of
-  every K up to `draft_len` (and the drafter's own limit, as Medusa's heads) are timed (`round_costs`); v
-  and o are read at the longest."""
+  the draft lengths adaptive speculation offers by default up to `draft_len` (and the drafter's own limit,
+  as Medusa's heads) are timed, the lengths between interpolated (`round_costs`); v and o are read at the
+  longest."""
   longest = registry.drafter_class(kind).longest_draft(draft)
   draft_len = min(draft_len, longest or draft_len)
+  lens = AdaptiveConfig().lens(draft_len)
   measured = {}
   for b in sorted({1, *batches}):
     c = drafter_cost_ratio(target, draft, kind, repeats, batch=b)
     v = (verify_ratio(target, b, draft_len, repeats) - 1) / draft_len
-    rounds = round_ratios(target, draft, kind, range(1, draft_len + 1), repeats, batch=b)
+    rounds = round_ratios(target, draft, kind, lens, repeats, batch=b)
     o = rounds[draft_len] - 1 - draft_len * (c + v)
+    timed = non_decreasing([rounds[k] for k in lens])
+    every_k = np.interp(np.arange(1, draft_len + 1), lens, timed)
     measured[b] = CostModel(round(c, 4), round(max(v, 0.0), 4), round(max(o, 0.0), 4),
-                            round_costs=tuple(round(max(x, 1.0), 4) for x in non_decreasing(
-                                [rounds[k] for k in sorted(rounds)])))
+                            round_costs=tuple(round(max(float(x), 1.0), 4) for x in every_k))
   backend, kind_of_device = costs.device_kind()
   return dataclasses.replace(measured[1], target_params=num_params(target.config), backend=backend,
                              device_kind=kind_of_device,

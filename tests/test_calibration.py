@@ -120,6 +120,20 @@ def test_measured_rounds_are_made_non_decreasing():
   assert calibration.non_decreasing([1.0, 2.0]) == [1.0, 2.0]
 
 
+def test_rounds_of_the_default_draft_lengths_are_timed_and_the_others_interpolated(monkeypatch):
+  """Adaptive K offers 1, 2, 4, 8 by default: those rounds are timed, and K = 3, 5, 6, 7 lie on the lines
+  between them (after pooling, so they never decrease)."""
+  target, draft = testing.random_pair()
+  timed = []
+  monkeypatch.setattr(calibration, "drafter_cost_ratio", lambda *a, **kw: 0.1)
+  monkeypatch.setattr(calibration, "verify_ratio", lambda *a: 1.4)
+  monkeypatch.setattr(calibration, "round_ratios", lambda target, draft, kind, lens, repeats, batch: timed.append(
+      tuple(lens)) or {1: 1.5, 2: 1.8, 4: 2.2, 8: 2.1})
+  cost = calibration.measure(target, draft, "model", (1,), repeats=1, draft_len=8)
+  assert timed == [(1, 2, 4, 8)]
+  assert cost.round_costs == pytest.approx((1.5, 1.8, 1.975, 2.15, 2.15, 2.15, 2.15, 2.15))
+
+
 def test_rounds_are_timed_up_to_what_the_drafter_can_propose():
   """Medusa's heads bound its draft: a calibration asked for K up to 8 times rounds of K = 1, 2 for two heads."""
   target = testing.random_model(testing.NO_EOS)
