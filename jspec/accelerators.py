@@ -156,7 +156,7 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   """Compiles the decode program of `decoder` (abstract weights: `jspec.shaped.shaped_decoder`) for
   `target`'s devices, on `mesh_spec` (default: every device on the model axis), and estimates a plain step
   and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
-  round would count every K's branch), each compiled on its own over the state a prefill leaves. XLA counts
+  round would count every offered K's branch), each compiled on its own over the state a prefill leaves. XLA counts
   a loop's body once: the drafter's chained steps inside a round count as one. With
   `serving`, also the server's programs for `batch` slots (`compile_server`)."""
   devices = target.devices()

@@ -151,7 +151,7 @@ def plan(args: argparse.Namespace):
   if compile_for is not None:
     from jspec import accelerators
     width, capacity = memory.shape(decoder, context, prompt_len, args.serving)
-    fixed = None if spec is None else shaped.shaped_decoder(  # a round of K, not every K's branch
+    fixed = None if spec is None else shaped.shaped_decoder(  # a round of K, not every offered K's branch
         target, draft, dataclasses.replace(spec, adaptive=None), args.batch_size, args.attention)
     report = accelerators.compile_for(compile_for, decoder, args.batch_size, width, capacity, args.mesh,
                                       not args.replicate_draft, fixed, args.serving)
