@@ -114,7 +114,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                  help="plain steps between speculative probes during fallback")
   g.add_argument("--adaptive-draft-lens", default=None, metavar="K,K,...",
                  help="the draft lengths adaptive K chooses among, each a branch of the compiled round (default: "
-                      "1, 2, 4, ... and --draft-len; every K from 1 compiles and loads more slowly)")
+                      "1, 2, 4, ... and --draft-len; offering every K compiles and loads more slowly)")
   g.add_argument("--cost-ratio", type=float, default=None, metavar="C",
                  help="c: the drafter's step cost over the target's (default: measured, from the drafter's "
                       "checkpoint, else 0.1; 0 for ngram)")
