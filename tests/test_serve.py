@@ -362,6 +362,20 @@ def test_sigterm_exits_0_within_the_timeout(server):
   assert time.monotonic() - begin < 10
 
 
+def test_sigterm_while_programs_compile_exits_without_waiting_for_them(tmp_path):
+  """Stopped right at ready, with the other programs compiling from an empty cache: exit 0, not after the
+  program compiling (XLA cannot stop one midway)."""
+  jspec.save(testing.random_model(testing.TINY), tmp_path / "tiny")
+  proc, _ = start("--target", str(tmp_path / "tiny"), "--drafter", "ngram", "--batch-size", "2", "--max-model-len",
+                  "128", "--no-calibrate", "--compile-cache", str(tmp_path / "cache"))
+  try:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+  finally:
+    stop(proc)
+  assert "stopped (without waiting for the start-up's compiles)" in proc.stdout.read()
+
+
 def test_chat_completions_through_a_model_with_a_template_behind_a_key_over_tls(tmp_path):
   """Also: every /v1 route needs the API key (/health and /metrics do not), over HTTPS."""
   model = testing.random_model(testing.TINY)

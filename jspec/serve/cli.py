@@ -132,13 +132,25 @@ def main(argv: list[str] | None = None) -> int:
                                          log_level="warning", log_config=None, timeout_graceful_shutdown=5,
                                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile))
   stop = lambda: setattr(server, "should_exit", True)
-  threading.Thread(target=startup.run, args=(stop,), name="jspec-startup", daemon=True).start()
+  starter = threading.Thread(target=startup.run, args=(stop,), name="jspec-startup", daemon=True)
+  starter.start()
   log.info("listening at %s (/health answers 503 until the server is ready)", startup.url)
   server.run()
   if startup.error is not None:
     return 2
+  if starter.is_alive():
+    leave_now()
   log.info("stopped")
   return 0
+
+
+def leave_now() -> None:
+  """Exits 0 at once while the start-up is still loading, compiling or calibrating: XLA cannot stop a compile
+  midway, and at exit Python would wait for the one running (up to a minute for a speculative segment).
+  Nothing is left half-written: compiled programs are stored whole or not at all."""
+  log.info("stopped (without waiting for the start-up's compiles)")
+  logging.shutdown()
+  os._exit(0)
 
 
 def follow(args: argparse.Namespace) -> int:
