@@ -138,17 +138,17 @@ def main(argv: list[str] | None = None) -> int:
   server.run()
   if startup.error is not None:
     return 2
-  if starter.is_alive():
+  if starter.is_alive() or (startup.loop is not None and startup.loop.engine.num_compiling):
     leave_now()
   log.info("stopped")
   return 0
 
 
 def leave_now() -> None:
-  """Exits 0 at once while the start-up is still loading, compiling or calibrating: XLA cannot stop a compile
-  midway, and at exit Python would wait for the one running (up to a minute for a speculative segment).
-  Nothing is left half-written: compiled programs are stored whole or not at all."""
-  log.info("stopped (without waiting for the start-up's compiles)")
+  """Exits 0 at once while the start-up still loads, compiles or calibrates, or a program compiles in the
+  background: XLA cannot stop a compile midway, and at exit Python would wait for the one running (up to a
+  minute for a speculative segment). Nothing is left half-written: programs are stored whole or not at all."""
+  log.info("stopped (without waiting for the programs compiling)")
   logging.shutdown()
   os._exit(0)
 
