@@ -248,10 +248,23 @@ def init_distributed(args: argparse.Namespace) -> bool:
   return jax.process_index() == 0
 
 
+class StatusHandler(logging.StreamHandler):
+  """Writes each status line through tqdm, so that it lands on its own line above a progress bar that is
+  running, not at the end of the bar's."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    from tqdm import tqdm
+
+    try:
+      tqdm.write(self.format(record), file=self.stream)
+    except Exception:  # noqa: BLE001 - logging's rule: a handler never raises
+      self.handleError(record)
+
+
 def show_status(enabled: bool) -> None:
   """Status lines ("loading ...", "compiling ...") on stderr."""
   if enabled and not log.handlers:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StatusHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
     log.propagate = False
