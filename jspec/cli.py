@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
   flags.show_status(not (args.quiet or args.json))
   leader = flags.init_distributed(args)
   if not args.no_compile_cache:
+    from jspec import executables  # its programs load from now on, beside the imports and the models
+    executables.prefetch(args.compile_cache, json.dumps(vars(args), sort_keys=True, default=str))
     from jspec import programs
     programs.use_compile_cache(args.compile_cache)
   out, printed = run(args)

@@ -8,15 +8,22 @@ on: the program's name and static values, the arguments' tree (which holds the d
 their shapes, dtypes and shardings, the devices and the process's index among several, the versions of jax
 and jaxlib, XLA's options (`XLA_FLAGS`), and the digest of jspec's own source. Files are the user's own
 cache (like JAX's, loading one runs its code); one that cannot be read is compiled again.
+
+A command run again starts loading the executables it used last time while it imports and loads its models
+(loading one releases the GIL): `prefetch` names the run, `take` hands over a prefetched executable only when
+the caller's own key leads to the same file, and `remember` keeps the names of each run's files.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,13 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger("jspec")
 SUBDIR = "jspec-executables"
+RUNS_FILE = "recent-runs.json"  # in SUBDIR: the files each recent run used, by a digest of its settings
+MAX_RUNS = 64
+MAX_FILES = 32
+_lock = threading.Lock()
+_prefetched: dict[Path, concurrent.futures.Future] = {}
+_run: str | None = None  # the digest of this process's run, once `prefetch` named it
+_used: set[str] = set()  # the files this process's run used
 
 
 @functools.cache
@@ -71,3 +85,62 @@ def store(file: Path, executable: Any) -> None:
   with tempfile.NamedTemporaryFile(dir=file.parent, delete=False) as out:
     out.write(data)
   os.replace(out.name, file)
+
+
+def prefetch(cache_dir: str, settings: str) -> None:
+  """Starts loading, on a thread, the executables in `cache_dir` that a run with these `settings` (any string
+  that tells runs apart, such as its command line) used last time."""
+  global _run
+  _run = hashlib.sha256(settings.encode()).hexdigest()[:32]
+  folder = Path(cache_dir) / SUBDIR
+  names = _runs(folder).get(_run, [])
+  files = [folder / n for n in names if isinstance(n, str) and Path(n).name == n and (folder / n).is_file()]
+  if not files:
+    return
+  pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-prefetch")
+  with _lock:
+    for file in files:
+      _prefetched.setdefault(file, pool.submit(load, file))
+  pool.shutdown(wait=False)
+
+
+def take(file: Path) -> Any | None:
+  """`load(file)`, or what `prefetch` loaded from it."""
+  with _lock:
+    prefetched = _prefetched.pop(file, None)
+  return prefetched.result() if prefetched else load(file)
+
+
+def forget_run() -> None:
+  """Drops what `prefetch` loaded and the run it named: what a new process has."""
+  global _run
+  with _lock:
+    _prefetched.clear()
+    _used.clear()
+    _run = None
+
+
+def remember(file: Path) -> None:
+  """Keeps `file` among the files of the run `prefetch` named: the files this process uses replace those of
+  the run before (a program no longer used is not loaded again), and the most recent runs are kept."""
+  if _run is None:
+    return
+  with _lock:
+    runs = _runs(file.parent)
+    names = runs.pop(_run, []) if _used else []
+    _used.add(file.name)
+    runs[_run] = [*(n for n in names if n != file.name), file.name][-MAX_FILES:]
+    try:
+      with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False) as out:
+        out.write(json.dumps(dict(list(runs.items())[-MAX_RUNS:])))
+      os.replace(out.name, file.parent / RUNS_FILE)
+    except OSError as error:  # a read-only cache still serves
+      log.debug("cannot keep the run's programs in %s (%s)", file.parent, error)
+
+
+def _runs(folder: Path) -> dict:
+  try:
+    runs = json.loads((folder / RUNS_FILE).read_text())
+  except (OSError, ValueError):
+    return {}
+  return runs if isinstance(runs, dict) else {}

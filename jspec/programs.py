@@ -121,7 +121,7 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = 
     say("compiling the %s program (the first run of a shape: up to a minute for adaptive speculation's "
              "branches)%s", name, f"; it is kept in {cache_dir} for later runs" if cache_dir else "")
   begin = time.perf_counter()
-  executable = executables.load(stored) if stored else None
+  executable = executables.take(stored) if stored else None
   loaded = executable is not None
   if executable is None:
     lowered = lowering()
@@ -142,6 +142,8 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = 
     _compiled[key] = executable
     if len(_compiled) > MAX_EXECUTABLES:
       _compiled.popitem(last=False)
+  if stored and stored.exists():
+    executables.remember(stored)
   seconds = time.perf_counter() - begin
   say("%s the %s program in %.1f s", "loaded" if loaded else "compiled", name, seconds)
   return executable, seconds
@@ -206,5 +208,6 @@ def release_executables() -> None:
   """Frees every compiled executable. XLA:CPU maps each one's code, and a few hundred compiles in one
   process run out of memory mappings ("LLVM compilation error: Cannot allocate memory")."""
   _compiled.clear()
+  executables.forget_run()
   jax.clear_caches()
   gc.collect()

@@ -1,7 +1,9 @@
 """Executables kept on disk: a later process loads the program it needs instead of compiling it, and gets
 the same tokens; another program, other shapes or a damaged file never load a wrong executable."""
+import json
 import logging
 import os
+import threading
 
 import jax
 import pytest
@@ -99,3 +101,40 @@ def test_a_program_jax_holds_from_its_cache_is_not_stored(cache_dir):
   assert stored(cache_dir) == []
   programs.compiled("g", lambda: jax.jit(lambda x: jax.numpy.tan(x) * 3).lower(x), (x,))
   assert len(stored(cache_dir)) == 1
+
+
+def test_a_run_again_loads_its_programs_while_it_starts(cache_dir, monkeypatch):
+  """`prefetch` loads on a thread the executables a run with the same settings used last time; the run takes
+  one only where its own key leads to that file. A run that used other programs replaces the list."""
+  target = testing.random_model(NO_EOS, seed=0)
+  loads = []
+  load = executables.load
+  monkeypatch.setattr(executables, "load", lambda file: loads.append((file.name, threading.current_thread().name))
+                      or load(file))
+  executables.prefetch(str(cache_dir), "run a")
+  first = jspec.generate(target, ["abc"], max_new_tokens=8)
+  [file] = stored(cache_dir)
+  programs.release_executables()  # a new process, the same settings
+  loads.clear()
+  executables.prefetch(str(cache_dir), "run a")
+  assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
+  assert [(name, thread.startswith("jspec-prefetch")) for name, thread in loads] == [(file.name, True)]
+  programs.release_executables()  # other settings: nothing prefetched, the program loads when needed
+  loads.clear()
+  executables.prefetch(str(cache_dir), "run b")
+  assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
+  assert [(name, thread.startswith("jspec-prefetch")) for name, thread in loads] == [(file.name, False)]
+  programs.release_executables()  # run a again, with another program: only that one is kept for it
+  executables.prefetch(str(cache_dir), "run a")
+  jspec.generate(target, ["abc", "de"], max_new_tokens=8)
+  [other] = set(stored(cache_dir)) - {file}
+  runs = json.loads((cache_dir / executables.SUBDIR / executables.RUNS_FILE).read_text())
+  assert sorted(runs.values()) == sorted([[file.name], [other.name]])
+  # A damaged or hostile list is ignored.
+  (cache_dir / executables.SUBDIR / executables.RUNS_FILE).write_text(json.dumps({k: ["../x", 3] for k in runs}))
+  programs.release_executables()
+  loads.clear()
+  executables.prefetch(str(cache_dir), "run a")
+  (cache_dir / executables.SUBDIR / executables.RUNS_FILE).write_text("{")
+  executables.prefetch(str(cache_dir), "run a")
+  assert loads == []
