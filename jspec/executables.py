@@ -82,6 +82,11 @@ def store(file: Path, executable: Any) -> None:
     log.debug("cannot store the executable (%s)", error)
     return
   file.parent.mkdir(parents=True, exist_ok=True)
+  _replace(file, data)
+
+
+def _replace(file: Path, data: bytes) -> None:
+  """Writes `file` whole or not at all: a reader sees the old file or the new one."""
   with tempfile.NamedTemporaryFile(dir=file.parent, delete=False) as out:
     out.write(data)
   os.replace(out.name, file)
@@ -131,9 +136,7 @@ def remember(file: Path) -> None:
     _used.add(file.name)
     runs[_run] = [*(n for n in names if n != file.name), file.name][-MAX_FILES:]
     try:
-      with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False) as out:
-        out.write(json.dumps(dict(list(runs.items())[-MAX_RUNS:])))
-      os.replace(out.name, file.parent / RUNS_FILE)
+      _replace(file.parent / RUNS_FILE, json.dumps(dict(list(runs.items())[-MAX_RUNS:])).encode())
     except OSError as error:  # a read-only cache still serves
       log.debug("cannot keep the run's programs in %s (%s)", file.parent, error)
 
