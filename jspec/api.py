@@ -233,8 +233,9 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
   `add` requests (`jspec.Request`) at any time, from any thread, `abort` them, and `step` it for their
   text deltas. The models, `spec` and `attention` are as for `generate`. Segments run at the narrowest batch width
   that holds the busy rows, and the adaptive policy reads the costs of that width, so a full engine
-  decodes plainly and a quiet one speculates. A segment runs `segment_rounds` rounds, or `stream_rounds`
-  while a request with `stream=True` runs and none waits for a slot.
+  decodes plainly and a quiet one speculates. A segment runs `segment_rounds` rounds; while a request with
+  `stream=True` is young and none waits for a slot, as many as it has run so far (1, 1, 2, 4, ...,
+  at least `stream_rounds` after the first).
 
   The slots must fit `memory_fraction` of the device (`jspec.memory`; a ValueError says what would);
   `slots=None` takes as many as fit, up to `DEFAULT_SLOTS`. Off a mesh the slots share a pool of `pages`

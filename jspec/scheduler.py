@@ -10,9 +10,10 @@ executable call that keeps the whole loop on the device; each host visit (`Engin
 rows, prefills waiting requests into free slots (`jspec.rows.insert`: their cache rows, drafter state,
 sampling values, stop tokens and seed), sets the next segment going and, while the device runs it, reads
 the previous segment's new tokens of every row as text deltas: the host's work overlaps the device's, and
-what it learns (a row done, a stop string) acts one segment later. A segment runs `segment_rounds` rounds,
-or `stream_rounds` while a young streamed request runs and none waits, so text reaches a watcher soon and
-in small chunks. First come, first served. A segment ends early when a row finishes while requests wait,
+what it learns (a row done, a stop string) acts one segment later. A segment runs `segment_rounds` rounds;
+while a streamed request is young and none waits, as many as it has run so far (its text comes after 1,
+2, 4, 8, ... rounds: soon, then in chunks that double, so host visits cost a shrinking share of the
+time). First come, first served. A segment ends early when a row finishes while requests wait,
 so a free slot does not idle. A request's tokens depend only on its own row, so they are those it would
 get decoded alone (with a fixed K; adaptive K is chosen for the whole batch, which changes which tokens a
 sampled row draws, never their distribution).
@@ -59,8 +60,7 @@ from jspec.tokenizer import IncrementalDetokenizer
 # Rounds per segment (one host visit): few enough host visits that they cost little throughput
 # (BENCHMARKS.md, "Streaming"), often enough that text appears every few tens of milliseconds.
 SEGMENT_ROUNDS = 16
-STREAM_ROUNDS = 2  # rounds per segment while a young streamed request runs (BENCHMARKS.md, "Streaming")
-YOUNG_TOKENS = 32  # a streamed request's first tokens, which come in short segments
+STREAM_ROUNDS = 1  # the fewest rounds of a young streamed request's segments after its first (BENCHMARKS.md)
 MAX_STOP_IDS = 8  # stop token ids a request may add to the target's EOS tokens (a compiled width)
 
 
@@ -135,7 +135,8 @@ class _Running:
   admitted: int = 0  # admission order: the youngest is preempted first
   tables: constraints.Tables | None = None  # the constraint, started after the tokens emitted so far
   emitted: list[int] = dataclasses.field(default_factory=list)  # tokens of `request`'s output handed out
-  unread_rounds: int = 0  # rounds of segments set going for it whose tokens the host has not read
+  rounds: int = 0  # rounds of the segments set going for it
+  unread_rounds: int = 0  # of those, the rounds whose tokens the host has not read
   cached: int = 0  # prompt tokens its prefill found in the prefix cache
   prompt_logprobs: list[TokenLogprob] | None = None  # scored at its start, until its first delta
 
@@ -154,7 +155,7 @@ class _Running:
     tables = self.tables if self.tables is None else automaton.advanced(self.tables, self.emitted)
     request = dataclasses.replace(req, prompt_ids=[*req.prompt_ids, *self.emitted],
                                   max_new_tokens=req.max_new_tokens - len(self.emitted), prompt_logprobs=None)
-    return dataclasses.replace(self, request=request, tables=tables, emitted=[], unread_rounds=0)
+    return dataclasses.replace(self, request=request, tables=tables, emitted=[], rounds=0, unread_rounds=0)
 
 
 @dataclasses.dataclass
@@ -378,15 +379,17 @@ class Engine:
     return deltas
 
   def _rounds(self) -> int:
-    """The next segment's rounds: while none waits for a slot, one for a streamed request that has just
-    started (its first token comes right after its prefill), and `stream_rounds` while a young one (fewer
-    than `YOUNG_TOKENS` emitted) decodes, so its first text comes soon and in small chunks; else
-    `segment_rounds` (fewer host visits: batch work, a stream's later text, and a saturated batch, whose
-    throughput the waiting requests need)."""
-    streams = [r for r in self._running if r is not None and r.request.stream]
-    if self._waiting or not any(r.sent < YOUNG_TOKENS for r in streams):
+    """The next segment's rounds: while none waits for a slot and a streamed request is young (has run
+    fewer than `segment_rounds` rounds), as many as the youngest has run so far, at least one (its first
+    token comes right after its prefill) and after that at least `stream_rounds`: its text arrives after
+    1, 2, 4, 8, ... rounds, the first soon and each host visit a smaller share of the time than the one
+    before. Else `segment_rounds` (fewer host visits: batch work, a stream's later text, and a saturated
+    batch, whose throughput the waiting requests need)."""
+    streams = [r.rounds for r in self._running if r is not None and r.request.stream]
+    if self._waiting or not streams:
       return self.segment_rounds
-    return 1 if any(r.sent == 0 and r.unread_rounds == 0 for r in streams) else self.stream_rounds
+    youngest = min(streams)
+    return 1 if youngest == 0 else min(self.segment_rounds, max(self.stream_rounds, youngest))
 
   def _dispatch(self) -> None:
     """Sets the next segment going on the device (asynchronously) for the rows running now."""
@@ -407,6 +410,7 @@ class Engine:
     self._retire_B[:] = False
     for run in self._running:
       if run is not None:
+        run.rounds += rounds
         run.unread_rounds += rounds
     self._unread.append(_Segment(report, list(self._running), rounds, time.perf_counter()))
 

@@ -125,10 +125,10 @@ def test_no_retrace_across_requests_and_refusals_before_queueing(pair, engine):
 
 
 def test_a_young_stream_runs_short_segments_unless_requests_wait(pair, engine):
-  """A segment of one round right after a streamed request's prefill, then segments of `stream_rounds` while
-  it has emitted fewer than YOUNG_TOKENS and none waits; `segment_rounds` for batch work and once requests
-  wait for a slot. The tokens are those alone."""
-  engine.stream_rounds, engine.segment_rounds = 2, 3
+  """A segment of one round right after a streamed request's prefill, then as many as it has run (at
+  least `stream_rounds`, at most `segment_rounds`) while none waits; `segment_rounds` for batch work and
+  once requests wait for a slot. The tokens are those alone."""
+  kept = engine.stream_rounds, engine.segment_rounds
   try:
     rounds = []
 
@@ -140,21 +140,23 @@ def test_a_young_stream_runs_short_segments_unless_requests_wait(pair, engine):
         rounds.append(engine._unread[-1].rounds if engine._unread else None)
       return out
 
-    engine.add(Request([5, 6], 12, stream=True), "s")
-    assert run()["s"] == alone(pair, [5, 6], 12)
-    seen = [r for r in rounds if r is not None]
-    assert seen[0] == 1 and set(seen[1:]) == {2}
-    rounds.clear()
+    for stream_rounds, expected in ((1, [1, 1, 2, 4, 8, 8, 8]), (3, [1, 3, 4, 8, 8, 8])):
+      engine.stream_rounds, engine.segment_rounds = stream_rounds, 8
+      engine.add(Request([5, 6], 48, stream=True), "s")
+      assert run()["s"] == alone(pair, [5, 6], 48)
+      seen = [r for r in rounds if r is not None]
+      assert len(seen) >= 4 and seen == expected[:len(seen)], seen
+      rounds.clear()
     engine.add(Request([5, 6], 12), "b")
     run()
-    assert set(rounds) - {None} == {3}
+    assert set(rounds) - {None} == {8}
     rounds.clear()
     for i in range(3):  # two slots: the third waits while the first two run
       engine.add(Request([7, i], 12, stream=True), i)
     out = run()
-    assert rounds[0] == 3 and 1 in rounds and out[2] == alone(pair, [7, 2], 12)
+    assert rounds[0] == 8 and 1 in rounds and out[2] == alone(pair, [7, 2], 12)
   finally:
-    engine.stream_rounds, engine.segment_rounds = 2, 2
+    engine.stream_rounds, engine.segment_rounds = kept
 
 
 def test_a_request_whose_program_compiles_in_the_background_waits_while_others_run(pair, monkeypatch):

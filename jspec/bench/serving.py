@@ -73,6 +73,7 @@ async def _load(url: str, jobs: list[tuple[str, int]], rate: float | None, seed:
   gaps = [g for r in results for g in r["gaps"]] or [0.0]
   return {**out, "output_tokens_per_second": sum(r["tokens"] for r in results) / wall, "wall_seconds": wall,
           "chunks_per_request": statistics.mean(r["chunks"] for r in results),
+          "fewest_chunks": min(r["chunks"] for r in results),
           "gap_p50": float(np.percentile(gaps, 50)), "gap_p99": float(np.percentile(gaps, 99)),
           "first_stream": results[0]["arrivals"]}
 
@@ -262,6 +263,7 @@ def suite_streaming(models: Models, drafter: str, requests: int, repeats: int, m
   for name, results in runs.items():
     out[name] = {k: statistics.median(x[k] for x in results) for k in
                  ("chunks_per_request", "ttft_p50", "gap_p50", "output_tokens_per_second")}
+    out[name]["fewest_chunks"] = min(x["fewest_chunks"] for x in results)
   out["throughput_ratio"] = out["short"]["output_tokens_per_second"] / out["long"]["output_tokens_per_second"]
   print(json.dumps(out), file=sys.stderr)
   return out

@@ -74,8 +74,9 @@ def parser() -> argparse.ArgumentParser:
   g.add_argument("--segment-rounds", type=int, default=SEGMENT_ROUNDS, metavar="R",
                  help="rounds per engine step: new requests, aborts and streamed text between steps")
   g.add_argument("--stream-rounds", type=int, default=STREAM_ROUNDS, metavar="R",
-                 help="rounds per engine step while a streamed request's first tokens decode and no request "
-                      "waits for a slot: its text comes soon and in small chunks")
+                 help="the fewest rounds per engine step while a streamed request is young and no request "
+                      "waits for a slot (its steps run 1, 1, 2, 4, 8, ... rounds): its text comes soon, in "
+                      "chunks that grow")
   flags.add_speculation_args(p)
   flags.add_runtime_args(p)
   return p
