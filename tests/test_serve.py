@@ -373,7 +373,8 @@ def test_sigterm_while_programs_compile_exits_without_waiting_for_them(tmp_path)
     assert proc.wait(timeout=60) == 0
   finally:
     stop(proc)
-  assert "stopped (without waiting for the programs compiling)" in proc.stdout.read()
+  out = proc.stdout.read()
+  assert out.rstrip().endswith("stopped (without waiting for the programs compiling)"), out[-500:]
 
 
 def test_chat_completions_through_a_model_with_a_template_behind_a_key_over_tls(tmp_path):

@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
   server.run()
   if startup.error is not None:
     return 2
+  startup.end_progress()
   if starter.is_alive() or (startup.loop is not None and startup.loop.engine.num_compiling):
     leave_now()
   log.info("stopped")

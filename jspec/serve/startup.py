@@ -9,6 +9,7 @@ import argparse
 import concurrent.futures
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,9 @@ class Startup:
     self.loop: EngineLoop | None = None
     self.target = None
     self.error: str | None = None  # why the start failed (a user error: the process exits 2)
+    self._progress: tqdm | None = None  # the background compiles' bar
+    self._progress_ended = False  # a stop ended it (before it began, perhaps)
+    self._progress_lock = threading.Lock()
 
   def run(self, stop: Callable[[], None]) -> None:
     """Starts the server (on its own thread); `stop` ends the HTTP server (when the start fails, or a
@@ -47,6 +51,14 @@ class Startup:
       log.exception("the server failed to start")
       self.error = f"{type(e).__name__}: {e}"
       stop()
+
+  def end_progress(self) -> None:
+    """Closes the background compiles' bar where it stands, so that the status lines after it (a stop)
+    come below it, not above a copy that they redraw."""
+    with self._progress_lock:
+      self._progress_ended = True
+      if self._progress is not None:
+        self._progress.close()
 
   def _start(self, stop: Callable[[], None]) -> None:
     args, begin = self.args, time.perf_counter()
@@ -68,11 +80,13 @@ class Startup:
       log.info("decoding plainly until speculation's programs are compiled (in the background)")
     if several:
       return
-    bar = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program", file=sys.stderr,
-               desc="compiling the other programs in the background", disable=not compiling)
-    for future in bar:
+    with self._progress_lock:
+      self._progress = tqdm(concurrent.futures.as_completed(compiling), total=len(compiling), unit="program",
+                           file=sys.stderr, desc="compiling the other programs in the background",
+                           disable=not compiling or self._progress_ended)
+    for future in self._progress:
       future.result()
-    bar.close()
+    self._progress.close()
     if args.no_calibrate:
       return
     self.metrics.calibrating.set(1)
