@@ -8,15 +8,18 @@ time can be reported apart from decode time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from jax._src import config as jax_config
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -125,14 +128,14 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = 
   loaded = executable is not None
   if executable is None:
     lowered = lowering()
-    executable, seen = _compile(lowered)
+    executable, seen = _compile(lowered, in_jax_cache=not stored)
     if stored and seen[CACHE_HIT]:
       # XLA:CPU's executable loaded from JAX's cache fails to run once serialized again, and JAX's cache would
       # answer every later process alike (it holds what an earlier jspec, whose store had another key,
       # compiled): compile it once more under an option only this store's key carries (how many buffers a
       # debug print of the buffer assignment shows: nothing the program does), and store that.
       unshared = {"xla_debug_buffer_assignment_show_max": int(stored.stem[-8:], 16) + 1}
-      executable, seen = _compile(lowered, unshared)
+      executable, seen = _compile(lowered, unshared, in_jax_cache=False)
     loaded = bool(seen[CACHE_HIT])
     # Stored only when XLA compiled it now (not one JAX loaded from its cache, nor one it loaded earlier in
     # this process, which `compile()` returns with no event).
@@ -149,10 +152,17 @@ def compiled(name: str, lowering: Callable[[], Any], args: tuple, quiet: bool = 
   return executable, seconds
 
 
-def _compile(lowered: Any, options: dict | None = None) -> tuple[Any, collections.Counter]:
-  """`lowered` compiled, and the JAX events it raised (whether XLA compiled it, or JAX's cache held it)."""
+def _compile(lowered: Any, options: dict | None = None, in_jax_cache: bool = True
+             ) -> tuple[Any, collections.Counter]:
+  """`lowered` compiled, and the JAX events it raised (whether XLA compiled it, or JAX's cache held it).
+  Unless `in_jax_cache`, JAX's persistent cache may answer but is not written: a program jspec's own store
+  keeps would only be serialized there a second time (about 0.1 s for a small decode program), and an
+  executable JAX's cache answers is compiled again before jspec stores it (above). The option is
+  thread-local, so other threads' compiles still write."""
   before = _jax_events().copy()
-  executable = lowered.compile(compiler_options=options)
+  never_written = jax_config.persistent_cache_min_compile_time_secs(math.inf)
+  with contextlib.nullcontext() if in_jax_cache else never_written:
+    executable = lowered.compile(compiler_options=options)
   return executable, _jax_events() - before
 
 

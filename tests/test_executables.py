@@ -1,9 +1,11 @@
 """Executables kept on disk: a later process loads the program it needs instead of compiling it, and gets
 the same tokens; another program, other shapes or a damaged file never load a wrong executable."""
+import contextlib
 import json
 import logging
 import os
 import threading
+import types
 
 import jax
 import pytest
@@ -70,17 +72,34 @@ def test_the_key_changes_with_the_source_xla_options_and_the_static_values(cache
   assert executables.path(str(cache_dir), "decode", requests_args, {"capacity": 128}) != a
 
 
-def test_a_program_only_jaxs_cache_holds_is_compiled_once_more_and_stored(cache_dir, caplog):
+def test_a_stored_program_is_not_written_to_jaxs_cache_too(cache_dir, caplog):
+  """A program jspec's store keeps is serialized once, into the store, not into JAX's cache as well."""
+  target = testing.random_model(NO_EOS, seed=0)
+  with caplog.at_level(logging.DEBUG, logger="jax._src.compilation_cache"):
+    jspec.generate(target, ["pqr", "s"], max_new_tokens=5)
+    jax.jit(lambda x: jax.numpy.sin(x) * 7.25)(jax.numpy.ones(3))  # written: what JAX alone compiles
+  assert len(stored(cache_dir)) == 1
+  written = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Writing ")]
+  assert written and not any(m.startswith("Writing jit__run ") for m in written), written
+
+
+def test_a_program_only_jaxs_cache_holds_is_compiled_once_more_and_stored(cache_dir, caplog, monkeypatch):
   """After an upgrade JAX's compilation cache holds a program that jspec's store (keyed by jspec's source)
   does not. XLA:CPU's executable loaded from JAX's cache fails to run once serialized again ("Function ... not
   found"), so it is compiled once more under a key of its own and stored: later processes load it."""
   target = testing.random_model(NO_EOS, seed=0)
-  first = jspec.generate(target, ["x"], max_new_tokens=4)
+  with monkeypatch.context() as m:  # an earlier jspec, which let JAX's cache keep what it stored too
+    m.setattr(programs, "jax_config", types.SimpleNamespace(
+        persistent_cache_min_compile_time_secs=lambda seconds: contextlib.nullcontext()))
+    first = jspec.generate(target, ["x"], max_new_tokens=4)
   for file in stored(cache_dir):
     file.unlink()
   programs.release_executables()
   jax.clear_caches()
-  again = jspec.generate(target, ["x"], max_new_tokens=4)  # held by JAX's cache: compiled again and stored
+  with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+    again = jspec.generate(target, ["x"], max_new_tokens=4)  # held by JAX's cache: compiled again and stored
+  assert "Persistent compilation cache hit for 'jit__run'" in caplog.text
+  caplog.clear()
   assert len(stored(cache_dir)) == 1
   programs.release_executables()
   with caplog.at_level(logging.INFO, logger="jspec"):
