@@ -26,7 +26,7 @@ SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=16, eos_id=None)  # drafts ar
 KINDS = registry.kinds()
 # The XLA options the tests' fast compile (tests/conftest.py) changes, as users compile: for the checks that
 # read a compiled program itself (its HLO, its memory), so that they check the programs users run.
-AS_USERS_COMPILE = {"xla_cpu_use_fusion_emitters": True, "xla_cpu_opt_preset": "CPU_OPT_PRESET_DEFAULT"}
+AS_USERS_COMPILE = {"xla_cpu_use_fusion_emitters": True}
 
 
 def fixed_k(draft_len: int = 4, **kw) -> SpecConfig:
