@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import config as jax_config
+from jax._src import config as jax_config  # JAX's options as thread-local contexts (`_compile`)
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -156,7 +156,7 @@ def _compile(lowered: Any, options: dict | None = None, in_jax_cache: bool = Tru
              ) -> tuple[Any, collections.Counter]:
   """`lowered` compiled, and the JAX events it raised (whether XLA compiled it, or JAX's cache held it).
   Unless `in_jax_cache`, JAX's persistent cache may answer but is not written: a program jspec's own store
-  keeps would only be serialized there a second time (about 0.1 s for a small decode program), and an
+  keeps would only be serialized there a second time (0.1 s for a test's tiny decode program), and an
   executable JAX's cache answers is compiled again before jspec stores it (above). The option is
   thread-local, so other threads' compiles still write."""
   before = _jax_events().copy()
