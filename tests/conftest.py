@@ -39,13 +39,26 @@ gc.freeze()
 gc.set_threshold(50_000, 20, 20)
 
 
-# The slowest files (subprocesses on simulated meshes, the GPU check) start first, so that with several
-# test workers none of them is left running alone at the end.
-SLOW_FIRST = ("test_sharding.py", "test_gpu_check.py")
+# Test files by the seconds they take on 2 cores, longest first. With several test workers, each worker takes
+# the next file when it is nearly done with its own, so starting the long files first leaves only short ones
+# for the end, when a worker may otherwise wait alone. A file not listed (new) starts first: its time is unknown.
+BY_TIME = ("test_paging.py", "test_serve.py", "test_drafters.py", "test_constraints.py", "test_hf.py",
+           "test_hlo.py", "test_sharding.py", "test_stream.py", "test_tree.py", "test_train.py",
+           "test_sampling.py", "test_cli.py", "test_cross_vocab.py", "test_adaptive.py", "test_calibration.py",
+           "test_model.py", "test_gpu_check.py", "test_decode.py", "test_memory.py", "test_scheduler.py",
+           "test_suffix.py", "test_executables.py", "test_package.py", "test_head_formats.py",
+           "test_logprobs.py", "test_pallas_attention.py", "test_extension.py")
+
+
+def pytest_configure(config):
+  # pytest-xdist would otherwise hand out files by their number of tests, most first.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: item.path.name not in SLOW_FIRST)
+  rank = {name: i for i, name in enumerate(BY_TIME)}
+  items.sort(key=lambda item: rank.get(item.path.name, -1))
 
 
 @pytest.fixture(autouse=True, scope="module")
