@@ -141,8 +141,8 @@ def test_bad_drafter_requests_are_one_line_errors(target):
     jspec.generate(target, [[1]], spec=SpecConfig(drafter="medusa"))
   with pytest.raises(ValueError, match="exceeds the 5 Medusa heads"):  # a fixed K; an adaptive one is capped
     jspec.generate(target, [[1]], draft=make_draft("medusa", target), draft_len=6, spec=testing.fixed_k(6))
-  capped = jspec.generate(target, [[1]], draft=make_draft("medusa", target), max_new_tokens=4, draft_len=8)
-  assert max(capped.stats.draft_len_counts) <= 5
+  capped = make_decoder(target, make_draft("medusa", target), SpecConfig(8), 1)  # adaptive: K_max is a ceiling
+  assert capped.spec.draft_len == 5 and capped.spec.adaptive is not None
   with pytest.raises(ValueError, match="the eagle drafter was given medusa weights"):
     jspec.generate(target, [[1]], draft=make_draft("medusa", target), spec=SpecConfig(drafter="eagle"))
   wide = testing.random_model(dataclasses.replace(CONFIG, dim=96))
