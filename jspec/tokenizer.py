@@ -59,27 +59,45 @@ def detokenize(tok: Tokenizer, ids: list[int]) -> str:
   return tok.decode(ids, skip_special_tokens=True)
 
 
+DETOKENIZE_WINDOW = 64  # tokens a push decodes again at most, besides its own
+
+
 class IncrementalDetokenizer:
   """The text of a growing token sequence, handed out in pieces that are never broken: a character whose
   UTF-8 bytes span several tokens decodes as U+FFFD until its last byte arrives, so a trailing U+FFFD is
-  held back until more tokens come (or `flush`, at the end, releases it)."""
+  held back until more tokens come (or `flush`, at the end, releases it).
+
+  A push decodes a window of the latest tokens rather than all of them (as vLLM's detokenizer), so a long
+  output costs each push the same: the window starts at a token where an earlier push had handed out all its
+  text (a character boundary) and keeps the tokens before the new ones as context (a decoder's spaces
+  between words depend on them)."""
 
   def __init__(self, tok: Tokenizer):
-    self.tok, self.ids, self.sent = tok, [], 0  # sent: characters of the text already handed out
+    self.tok, self.ids = tok, []
+    self.start, self.sent = 0, 0  # the window's first token; characters of its text already handed out
+    self.boundary = 0  # the token count at the end of the last push that held nothing back
 
   def push(self, ids: list[int]) -> str:
     """The new complete text after appending `ids`."""
     self.ids.extend(ids)
-    text = detokenize(self.tok, self.ids)
+    text = detokenize(self.tok, self.ids[self.start:])
     end = len(text)
     while end > self.sent and text[end - 1] == "\ufffd":
       end -= 1
     piece, self.sent = text[self.sent:end], max(self.sent, end)
+    if self.sent == len(text):  # nothing held back: the tokens end on a character
+      if len(self.ids) - self.start > DETOKENIZE_WINDOW and self.boundary > self.start:
+        # Not to a window with no text yet: a decoder that strips the text's first space (Llama-2's) would
+        # strip the next piece's.
+        tail = detokenize(self.tok, self.ids[self.boundary:])
+        if tail:
+          self.start, self.sent = self.boundary, len(tail)
+      self.boundary = len(self.ids)
     return piece
 
   def flush(self) -> str:
     """Whatever is still held back."""
-    text = detokenize(self.tok, self.ids)
+    text = detokenize(self.tok, self.ids[self.start:])
     piece, self.sent = text[self.sent:], len(text)
     return piece
 

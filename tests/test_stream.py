@@ -1,11 +1,13 @@
 """Segmented decoding: streaming equals one loop, continuous batching equals each prompt alone, and text
 deltas never break a character."""
 import dataclasses
+import pathlib
+import random
 
 import pytest
 
 import jspec
-from jspec import decode, drafters, testing, tokenizer
+from jspec import decode, drafters, shipped, testing, tokenizer
 
 NO_EOS = testing.NO_EOS
 PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\nimport os, sys, re\n", "class Foo:\n    def",
@@ -139,3 +141,52 @@ def test_text_deltas_never_break_a_character():
   inc = tokenizer.IncrementalDetokenizer(tok)
   assert inc.push(ids[:1] + tokenizer.encode(tok, "é")[:1]) == text[0]
   assert inc.flush() == "\ufffd"
+
+
+
+def _trained(model, trainer, normalizer, pre_tokenizer, decoder, text: str):
+  from tokenizers import Tokenizer
+  tok = Tokenizer(model)
+  tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre_tokenizer, decoder
+  tok.train_from_iterator([text], trainer)
+  return tok
+
+
+def test_text_deltas_from_a_window_are_those_of_the_whole_text():
+  """Pieces decoded from a window of the latest tokens equal those of decoding every token each time, for
+  byte-level BPE (the shipped code model's), Llama-2's SentencePiece BPE (whose decoder strips the text's
+  first space) and WordPiece (spaces between words depend on the token before), over outputs several
+  windows long pushed in ragged pieces, a special token (no text) alone in some."""
+  from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+  sep = "<sep>"
+  source = pathlib.Path(tokenizer.__file__).read_text()
+  text = "".join(f"{source[i:i + 500]}{sep} naïve café → 日本語 🎉 " for i in range(0, 5000, 500))
+  llama_decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+  tokenizers = {
+      "byte-level": tokenizer.load_tokenizer(shipped.resolve("code")),
+      "llama-2": _trained(models.BPE(), trainers.BpeTrainer(vocab_size=400),
+                          normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]),
+                          None, llama_decoder, text),
+      "wordpiece": _trained(models.WordPiece(unk_token="[UNK]"),
+                            trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]"]), None,
+                            pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(), text),
+  }
+  rng = random.Random(0)
+  for name, tok in tokenizers.items():
+    tok.add_special_tokens([sep])
+    ids = tokenizer.encode(tok, text)
+    special = tok.token_to_id(sep)
+    assert len(ids) > 4 * tokenizer.DETOKENIZE_WINDOW and ids.count(special) == 10, name
+    whole = tokenizer.detokenize(tok, ids)
+    for _ in range(3):
+      window, sent, i = tokenizer.IncrementalDetokenizer(tok), 0, 0
+      while i < len(ids):
+        n = 1 if ids[i] == special else rng.choice([1, 1, 2, 3, 7, 40, 90])
+        n = min([n] + [j - i for j in range(i + 1, min(i + n, len(ids))) if ids[j] == special])
+        full = tokenizer.detokenize(tok, ids[:i + n])  # every token decoded, a trailing U+FFFD held back
+        end = max(sent, len(full.rstrip("\ufffd")))
+        assert window.push(ids[i:i + n]) == full[sent:end], (name, i)
+        sent, i = max(sent, end), i + n
+      assert window.flush() == whole[sent:], name
+      assert window.start > len(ids) - 2 * tokenizer.DETOKENIZE_WINDOW - 90, name  # the window moved along
