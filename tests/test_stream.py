@@ -143,7 +143,6 @@ def test_text_deltas_never_break_a_character():
   assert inc.flush() == "\ufffd"
 
 
-
 def _trained(model, trainer, normalizer, pre_tokenizer, decoder, text: str):
   from tokenizers import Tokenizer
   tok = Tokenizer(model)
