@@ -16,7 +16,7 @@ adds one (K1 = K + 1, S1 = S + 1).
   C  target features a head drafter keeps (K + 1)
   E  stop tokens a row may end at         W  rounds in the adaptive acceptance window
   R  adaptive rounds recorded in a trace
-  M  draft tree nodes (a tree verify feeds M1 = M + 1: the pending token and the nodes; see jspec.tree)
+  M  draft tree nodes (a tree verify feeds M1 = M + 1: the pending token and the nodes; see jspec.speculation.tree)
   L  tree depth (a path holds L1 = L + 1 entries)   A  tree entries fed so far in a round
   G  children per tree node (the tree's top-k; Medusa's ranks)
   Z  candidate nodes a dynamic tree grows before it keeps M
@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from jspec import xla_options
+from jspec.core import xla_options
 
 __version__ = "0.2.0"
 
@@ -36,15 +36,16 @@ xla_options.prefer_xla_dots()
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "generate": "jspec.api", "Result": "jspec.api", "stream": "jspec.api", "Stream": "jspec.scheduler",
-    "Delta": "jspec.scheduler", "Engine": "jspec.scheduler", "Request": "jspec.scheduler",
-    "make_engine": "jspec.api", "RequestStats": "jspec.stats",
-    "load": "jspec.loading", "save": "jspec.checkpoint",
-    "Model": "jspec.model", "Heads": "jspec.drafters", "ModelConfig": "jspec.config",
-    "SamplingConfig": "jspec.settings", "SpecConfig": "jspec.settings", "AdaptiveConfig": "jspec.settings",
-    "CostModel": "jspec.settings", "TreeConfig": "jspec.settings", "Stats": "jspec.stats",
-    "make_mesh": "jspec.sharding",
-    "Regex": "jspec.constraints", "JsonSchema": "jspec.constraints", "Choice": "jspec.constraints",
+    "generate": "jspec.api", "Result": "jspec.api", "stream": "jspec.api", "Stream": "jspec.engine.stream",
+    "Delta": "jspec.engine.requests", "Engine": "jspec.engine.engine", "Request": "jspec.engine.requests",
+    "make_engine": "jspec.api", "RequestStats": "jspec.speculation.stats",
+    "load": "jspec.formats.loading", "save": "jspec.formats.checkpoint",
+    "Model": "jspec.model.model", "Heads": "jspec.drafters", "ModelConfig": "jspec.model.config",
+    "SamplingConfig": "jspec.core.settings", "SpecConfig": "jspec.core.settings",
+    "AdaptiveConfig": "jspec.core.settings",
+    "CostModel": "jspec.core.settings", "TreeConfig": "jspec.core.settings", "Stats": "jspec.speculation.stats",
+    "make_mesh": "jspec.model.sharding",
+    "Regex": "jspec.text.constraints", "JsonSchema": "jspec.text.constraints", "Choice": "jspec.text.constraints",
 }
 __all__ = ["AdaptiveConfig", "Choice", "CostModel", "Delta", "Engine", "Heads", "JsonSchema", "Model", "ModelConfig",
            "Regex", "Request", "RequestStats", "Result", "SamplingConfig", "SpecConfig", "Stats", "Stream",
@@ -52,16 +53,18 @@ __all__ = ["AdaptiveConfig", "Choice", "CostModel", "Delta", "Engine", "Heads", 
 
 if TYPE_CHECKING:
   from jspec.api import Result, generate, make_engine, stream
-  from jspec.checkpoint import save
-  from jspec.config import ModelConfig
-  from jspec.constraints import Choice, JsonSchema, Regex
+  from jspec.core.settings import AdaptiveConfig, CostModel, SamplingConfig, SpecConfig, TreeConfig
   from jspec.drafters import Heads
-  from jspec.loading import load
-  from jspec.model import Model
-  from jspec.scheduler import Delta, Engine, Request, Stream
-  from jspec.settings import AdaptiveConfig, CostModel, SamplingConfig, SpecConfig, TreeConfig
-  from jspec.sharding import make_mesh
-  from jspec.stats import RequestStats, Stats
+  from jspec.engine.engine import Engine
+  from jspec.engine.requests import Delta, Request
+  from jspec.engine.stream import Stream
+  from jspec.formats.checkpoint import save
+  from jspec.formats.loading import load
+  from jspec.model.config import ModelConfig
+  from jspec.model.model import Model
+  from jspec.model.sharding import make_mesh
+  from jspec.speculation.stats import RequestStats, Stats
+  from jspec.text.constraints import Choice, JsonSchema, Regex
 
 
 def __getattr__(name: str):

@@ -13,18 +13,23 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jspec import constraints, machine, memory, programs, sharding
-from jspec.constraints import Constraint
-from jspec.decoder import Decoder, make_decoder
+from jspec.core import machine
+from jspec.core.settings import SamplingConfig, SpecConfig
+from jspec.decoding import programs
+from jspec.decoding.batches import check_prompts, make_batch, seed_array
+from jspec.decoding.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
-from jspec.logprobs import MAX_TOP, TokenLogprob
-from jspec.logprobs import read as read_logprobs
-from jspec.model import Model
-from jspec.request import check_prompts, make_batch, seed_array
-from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS, Engine, Stream
-from jspec.settings import SamplingConfig, SpecConfig
-from jspec.stats import RequestStats, Stats
-from jspec.tokenizer import detokenize, encode
+from jspec.engine.engine import SEGMENT_ROUNDS, STREAM_ROUNDS, Engine
+from jspec.engine.stream import Stream
+from jspec.model import sharding
+from jspec.model.model import Model
+from jspec.planning import memory
+from jspec.speculation.logprobs import MAX_TOP, TokenLogprob
+from jspec.speculation.logprobs import read as read_logprobs
+from jspec.speculation.stats import RequestStats, Stats
+from jspec.text import constraints
+from jspec.text.constraints import Constraint
+from jspec.text.tokenizer import detokenize, encode
 
 
 @dataclasses.dataclass
@@ -160,12 +165,12 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, log
   prompt as one user turn of the target's chat template, with the assistant's turn opened after it.
 
   With a `mesh` (`jspec.make_mesh("data=D,model=M")`), parameters and caches are sharded by the rules in
-  `jspec.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs as one
+  `jspec.model.sharding` (the drafter's too, unless `shard_draft=False` replicates it) and the loop runs as one
   SPMD program on the mesh, across processes when `jax.distributed` is initialized. `attention` picks how
   attention reads the caches: "auto" (the Pallas kernel of a TPU or GPU, the reference loop on a CPU),
   "xla" (that loop everywhere), "tpu" or "gpu" (that kernel; interpreted on a CPU).
 
-  `logprobs=k` (0 to `jspec.logprobs.MAX_TOP`) fills `Result.logprobs`: each new token's log-probability
+  `logprobs=k` (0 to `jspec.speculation.logprobs.MAX_TOP`) fills `Result.logprobs`: each new token's log-probability
   under the target's distribution after the row's sampling (its own distribution at temperature 0), with
   the k most likely tokens at its position, recorded by the forward that scored it.
   """
@@ -237,9 +242,9 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
   `stream=True` is young and none waits for a slot, as many as it has run so far (1, 1, 2, 4, ...,
   at least `stream_rounds` after the first).
 
-  The slots must fit `memory_fraction` of the device (`jspec.memory`; a ValueError says what would);
+  The slots must fit `memory_fraction` of the device (`jspec.planning.memory`; a ValueError says what would);
   `slots=None` takes as many as fit, up to `DEFAULT_SLOTS`. Off a mesh the slots share a pool of `pages`
-  KV pages of `jspec.cache.PAGE_SIZE` tokens (default: as many as fit, at most every slot's whole context),
+  KV pages of `jspec.model.cache.PAGE_SIZE` tokens (default: as many as fit, at most every slot's whole context),
   and with `prefix_caching` a prompt shares the cached pages of its longest prefix an earlier one left;
   `max_prefill_tokens` bounds the prompt tokens prefilled between two segments (None: whole prompts).
   `max_logprobs` > 0 lets requests ask for log-probabilities (`Request.logprobs`), with up to that many of the

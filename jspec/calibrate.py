@@ -10,8 +10,9 @@ import dataclasses
 import json
 import sys
 
-from jspec import flags, shipped
-from jspec.settings import SpecConfig
+from jspec import flags
+from jspec.core import shipped
+from jspec.core.settings import SpecConfig
 
 EXAMPLES = """examples:
   python -m jspec.calibrate                                  # the shipped pair's EAGLE head, batch 1
@@ -52,9 +53,11 @@ def batches(text: str) -> list[int]:
 def calibrate(args: argparse.Namespace) -> tuple[dict, str]:
   """Measures, stores, and returns (the figures as JSON, where they were stored)."""
   import jspec
-  from jspec import calibration, checkpoint, costs
-  from jspec.decoder import drafter_kind
-  from jspec.settings import MAX_DRAFT_LEN
+  from jspec.core.settings import MAX_DRAFT_LEN
+  from jspec.decoding.decoder import drafter_kind
+  from jspec.formats import checkpoint
+  from jspec.planning import calibration
+  from jspec.speculation import costs
 
   sizes = batches(args.batches)
   if not 1 <= args.draft_len <= MAX_DRAFT_LEN or args.repeats < 1:

@@ -14,7 +14,7 @@ import time
 
 import jspec
 from jspec import flags, outputs
-from jspec.settings import SamplingConfig
+from jspec.core.settings import SamplingConfig
 
 EXAMPLES = """examples:
   python -m jspec.generate --prompt "def parse_args("
@@ -172,7 +172,7 @@ def run_batch(args: argparse.Namespace, target, models: dict, prompts: list[str]
     plain = lambda: jspec.generate(target, prompts, seed=args.seed, mesh=models["mesh"], attention=models["attention"],
                                    **sampling)
     base = plain()  # both have now run once untimed: compiled, and the caches warm
-    from jspec.timing import interleaved_runs
+    from jspec.core.timing import interleaved_runs
     walls = interleaved_runs({"speculative": lambda: speculative().stats.wall_seconds,
                               "plain": lambda: plain().stats.wall_seconds},
                              args.repeats, warmup=False, reports_seconds=True)
@@ -261,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
   flags.show_status(not (args.quiet or args.json))
   leader = flags.init_distributed(args)
   if not args.no_compile_cache:
-    from jspec import executables  # its programs load from now on, beside the imports and the models
+    # Its programs load from now on, beside the imports and the models.
+    from jspec.decoding import executables, program_cache
     executables.prefetch(args.compile_cache, json.dumps(vars(args), sort_keys=True, default=str))
-    from jspec import programs
-    programs.use_compile_cache(args.compile_cache)
+    program_cache.use_compile_cache(args.compile_cache)
   out, printed = run(args)
   if not leader:  # every process ran the same program; one reports it
     return 0

@@ -1,22 +1,24 @@
 """Checkpoint conversion.
 
-  python -m jspec.convert HF_DIR OUT_DIR            # a Hugging Face directory (jspec.hf.FAMILIES) -> jspec
+  python -m jspec.convert HF_DIR OUT_DIR            # a Hugging Face directory (jspec.model.hf.FAMILIES) -> jspec
   python -m jspec.convert --to-hf JSPEC_DIR OUT_DIR # a jspec checkpoint -> a Hugging Face Llama directory
   python -m jspec.convert --to speculators HEADS OUT_DIR --target TARGET
-                                                    # jspec heads -> a published format (`jspec.head_formats`)
+                                                    # jspec heads -> a published format (`jspec.formats.head_formats`)
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from jspec import flags, head_formats, shipped
-from jspec.checkpoint import save
+from jspec import flags
+from jspec.core import shipped
+from jspec.core.settings import SpecConfig
 from jspec.drafters import Heads
-from jspec.hf import save_hf
-from jspec.loading import load
-from jspec.model import Model
-from jspec.settings import SpecConfig
+from jspec.formats import head_formats
+from jspec.formats.checkpoint import save
+from jspec.formats.loading import load
+from jspec.model.hf import save_hf
+from jspec.model.model import Model
 
 
 @flags.command

@@ -5,7 +5,7 @@ A command is `python -m jspec.NAME`. Its parser and `main(argv) -> int`, decorat
 the module `jspec.NAME` (`calibrate`, `plan`, `convert`), unless that module is only an entry that runs them
 from elsewhere: a package's command lives in its `cli` module (`jspec.serve.cli`, `jspec.bench.cli`), the
 generate command in `jspec.cli` (a module named `generate` would shadow the API's `jspec.generate`), and the
-training commands (`train`, `data`, `continuations`) beside their code in `jspec.training`. Parsing imports
+training commands (`train`, `data`, `continuations`) beside their code in `jspec.train`. Parsing imports
 no JAX, so `--help` answers at once.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sys
 from collections.abc import Callable
 
 import jspec
-from jspec import shipped
-from jspec.settings import (
+from jspec.core import shipped
+from jspec.core.settings import (
   ATTENTION_CHOICES,
   DEFAULT_TREE,
   DRAFTERS,
@@ -206,7 +206,7 @@ def default_compile_cache() -> str:
 
 def load_draft(args: argparse.Namespace, load: Callable[[str | pathlib.Path], object]) -> tuple:
   """(draft weights or None, the drafter kind or None for plain decoding), read by `load` (`jspec.load`
-  with the dtype and mesh asked for, or `jspec.loading.load_shapes` for a memory plan)."""
+  with the dtype and mesh asked for, or `jspec.formats.loading.load_shapes` for a memory plan)."""
   if args.no_draft:
     return None, None
   if args.draft is not None:

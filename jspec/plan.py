@@ -12,8 +12,8 @@ import re
 import sys
 
 from jspec import flags
-from jspec.cache import PAGE_SIZE
-from jspec.settings import SpecConfig
+from jspec.core.settings import SpecConfig
+from jspec.model.cache import PAGE_SIZE
 
 EXAMPLES = """examples:
   python -m jspec.plan --batch-size 8 --context 2048
@@ -82,7 +82,8 @@ def planned_dtype(args: argparse.Namespace) -> str | None:
   (this machine's default)."""
   if args.dtype is not None or (args.device_memory is None and args.compile_for is None):
     return args.dtype
-  from jspec import checkpoint, shipped
+  from jspec.core import shipped
+  from jspec.formats import checkpoint
   path = shipped.resolve(args.target)
   fields = checkpoint.read_json(path / "config.json" if path.is_dir() else path)
   stated = fields.get("torch_dtype") or (fields.get("dtype") if "model_type" in fields else None)
@@ -99,15 +100,18 @@ def planned_platform(args: argparse.Namespace) -> str | None:
 
 
 def plan(args: argparse.Namespace):
-  from jspec import loading, machine, memory, shaped, sharding
-  from jspec.decoder import drafter_kind
+  from jspec.core import machine
+  from jspec.decoding.decoder import drafter_kind
+  from jspec.formats import loading
+  from jspec.model import sharding
+  from jspec.planning import memory, shaped
 
   for name in ("batch_size", "context", "prompt_len", "draft_len"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   compile_for = None
   if args.compile_for is not None:
-    from jspec import accelerators
+    from jspec.planning import accelerators
     compile_for = accelerators.Target.parse(args.compile_for)
     devices = len(compile_for.devices())  # no libtpu: one line, before anything loads
     args.mesh = args.mesh or f"model={devices}"
@@ -149,7 +153,7 @@ def plan(args: argparse.Namespace):
                             serving=args.serving, platform=planned_platform(args))
   report = None
   if compile_for is not None:
-    from jspec import accelerators
+    from jspec.planning import accelerators
     width, capacity = memory.shape(decoder, context, prompt_len, args.serving)
     fixed = None if spec is None else shaped.shaped_decoder(  # a round of K, not every offered K's branch
         target, draft, dataclasses.replace(spec, adaptive=None), args.batch_size, args.attention)
@@ -159,7 +163,7 @@ def plan(args: argparse.Namespace):
 
 
 def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
-  from jspec.memory import gb
+  from jspec.planning.memory import gb
   u = p.usage
   drafter_cache = "suffix index" if drafter == "suffix" else "draft KV cache"
   figures = [("target weights", u.weights_bytes), ("draft weights", u.draft_weights_bytes),
@@ -186,7 +190,7 @@ def mean_len(args: argparse.Namespace, p) -> int:
 
 def describe_compiled(r, tau: float = 3.0) -> str:
   """What XLA compiled for the topology, beside the plan; the times are labelled estimates."""
-  from jspec.memory import gb
+  from jspec.planning.memory import gb
   c, chip = r.program, r.per_device
   return "\n".join([
       f"compiled for tpu:{r.target.chip_name}:{r.target.topology} by XLA ({r.devices} devices), per device:",
@@ -202,7 +206,7 @@ def describe_compiled(r, tau: float = 3.0) -> str:
 def _describe_server(r) -> list[str]:
   if r.server is None:
     return []
-  from jspec.memory import gb
+  from jspec.planning.memory import gb
   return [f"  server's {name} program: arguments {gb(c.argument_bytes)}, temporaries {gb(c.temp_bytes)}, total "
           f"{gb(c.total_bytes)}: {'fits' if c.total_bytes <= r.per_device.hbm_bytes else 'does NOT fit'}"
           for name, c in r.server.items()]

@@ -11,12 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer, models
 
-from jspec import drafters, model, registry, sampling
+from jspec import drafters
 from jspec.api import generate
-from jspec.config import ModelConfig
-from jspec.model import Model
-from jspec.settings import SpecConfig
-from jspec.tokenizer import EOS_TOKEN, byte_tokenizer
+from jspec.core import registry
+from jspec.core.settings import SpecConfig
+from jspec.model import model
+from jspec.model.config import ModelConfig
+from jspec.model.model import Model
+from jspec.speculation import sampling
+from jspec.text.tokenizer import EOS_TOKEN, byte_tokenizer
 
 TINY = ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
                    rope_theta=10000.0, max_seq_len=1024, eos_id=256)
@@ -36,7 +39,7 @@ def fixed_k(draft_len: int = 4, **kw) -> SpecConfig:
 
 
 def measured_here() -> dict[str, str]:
-  """The `CostModel` fields of figures measured on the devices here (`jspec.calibration`)."""
+  """The `CostModel` fields of figures measured on the devices here (`jspec.planning.calibration`)."""
   backend, device_kind = jax.default_backend(), jax.devices()[0].device_kind
   return dict(backend=backend, device_kind=device_kind)
 
@@ -174,7 +177,7 @@ def attention_case(kernel, dtype, seq=3, heads=4, kv_heads=2, lengths=(5, 200), 
   """`attention.cached_attention` of random queries over a random cache (an `ATTENTION_CASES` entry) with
   `kernel` (None: the reference), in fp32. The inputs are drawn in fp32 and cast to `dtype`. `paged`: the
   same cache as a pool of pages in a shuffled order, read through a page table."""
-  from jspec import attention
+  from jspec.model import attention
   batch, head_dim, capacity = len(lengths), 16, 384
   kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
   q = jax.random.normal(kq, (batch, seq, heads, head_dim)).astype(dtype)
@@ -269,7 +272,7 @@ def loop_cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
   """Instructions in any while-loop body that copy, transpose or rewrite a whole cache-sized buffer.
 
   A loop that writes the cache and attends over it can pay a full copy of the buffer every step (see
-  jspec/cache.py). In-place updates appear as dynamic-update-slice fusions and are allowed.
+  jspec/model/cache.py). In-place updates appear as dynamic-update-slice fusions and are allowed.
   """
   computations = _computations(hlo_text)
   bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))

@@ -22,16 +22,16 @@ if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
 if "JSPEC_COMPILE_CACHE" not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ:
   os.environ["JSPEC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jspec-test-xla-")
   atexit.register(shutil.rmtree, os.environ["JSPEC_COMPILE_CACHE"], ignore_errors=True)
-# Cross-tokenizer tables likewise (`jspec.vocab_map`).
+# Cross-tokenizer tables likewise (`jspec.text.vocab_map`).
 if "JSPEC_VOCAB_MAP_DIR" not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ:
   os.environ["JSPEC_VOCAB_MAP_DIR"] = tempfile.mkdtemp(prefix="jspec-test-vocab-")
   atexit.register(shutil.rmtree, os.environ["JSPEC_VOCAB_MAP_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 
-from jspec import programs  # noqa: E402
+from jspec.decoding import program_cache  # noqa: E402
 
-programs.use_compile_cache(os.environ["JSPEC_COMPILE_CACHE"])
+program_cache.use_compile_cache(os.environ["JSPEC_COMPILE_CACHE"])
 
 # Tracing and lowering a decode program allocate millions of short-lived objects: collecting less often, past
 # the modules imported by now (jax and jspec: frozen), lowers a program 7-12% faster here.
@@ -45,7 +45,7 @@ gc.set_threshold(50_000, 20, 20)
 BY_TIME = ("test_paging.py", "test_serve.py", "test_drafters.py", "test_constraints.py", "test_hf.py",
            "test_hlo.py", "test_sharding.py", "test_stream.py", "test_tree.py", "test_train.py",
            "test_sampling.py", "test_cli.py", "test_cross_vocab.py", "test_adaptive.py", "test_calibration.py",
-           "test_model.py", "test_gpu_check.py", "test_decode.py", "test_memory.py", "test_scheduler.py",
+           "test_model.py", "test_gpu_check.py", "test_decode.py", "test_memory.py", "test_engine.py",
            "test_suffix.py", "test_executables.py", "test_package.py", "test_head_formats.py",
            "test_logprobs.py", "test_pallas_attention.py", "test_extension.py")
 
@@ -66,7 +66,7 @@ def _release_executables():
   """Drops compiled programs after each test module. Every XLA:CPU executable keeps its own memory
   mappings alive, and a single process compiling a few hundred of them crashed inside the compiler."""
   yield
-  programs.release_executables()
+  program_cache.release_executables()
 
 
 @pytest.fixture(autouse=True)

@@ -24,9 +24,11 @@ if args.coordinator:
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import hf, model, programs, sharding, testing  # noqa: E402
-from jspec.decoder import make_decoder  # noqa: E402
-from jspec.request import make_batch  # noqa: E402
+from jspec import testing  # noqa: E402
+from jspec.decoding import programs  # noqa: E402
+from jspec.decoding.batches import make_batch  # noqa: E402
+from jspec.decoding.decoder import make_decoder  # noqa: E402
+from jspec.model import hf, model, sharding  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)

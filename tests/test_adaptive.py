@@ -7,11 +7,15 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import adaptive, checkpoint, decode, drafters, shipped, testing
+from jspec import drafters, testing
 from jspec.bench import end_to_end
-from jspec.config import num_params
-from jspec.decoder import make_decoder
-from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec.core import shipped
+from jspec.core.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec.decoding import loop
+from jspec.decoding.decoder import make_decoder
+from jspec.formats import checkpoint
+from jspec.model.config import num_params
+from jspec.speculation import adaptive
 
 # Every K up to 8 offered, so the decisions below follow the formula alone (the default offers 1, 2, 4, 8).
 POLICY = AdaptiveConfig(cost_ratio=0.1, verify_cost=0.05, round_overhead=0.0, fallback_threshold=0.4,
@@ -200,7 +204,7 @@ def test_no_retrace_as_k_changes_at_run_time(pair):
   kw = dict(draft=draft, draft_len=4,
             spec=SpecConfig(adaptive=AdaptiveConfig(fallback_threshold=0.5, probe_interval=2, verify_cost=0.3)))
   jspec.generate(target, [[1, 2]], max_new_tokens=30, **kw)
-  before = dict(decode.trace_counts)
+  before = dict(loop.trace_counts)
   seen = set()
   for i in range(3):
     r = jspec.generate(target, [[3 + i] * (2 + i)], max_new_tokens=30, seed=i, temperature=0.5 * i, **kw)
@@ -210,7 +214,7 @@ def test_no_retrace_as_k_changes_at_run_time(pair):
     # The branch that ran drafted the K chosen: a draft model drafts every round it is given, one row.
     assert r.stats.draft_forwards == r.stats.drafted_tokens == sum(k * n for k, n in counts.items())
   assert len(seen) >= 3 and seen <= {0, 1, 2, 4}  # K really changed inside the compiled loop, among those offered
-  assert dict(decode.trace_counts) == before
+  assert dict(loop.trace_counts) == before
   # Rounds priced at a cost model of free drafts and verifies: one target step each, so τ.
   free = dataclasses.replace(r.stats, cost_model=dict(r.stats.cost_model, round_costs=[1.0] * 8))
   assert end_to_end.priced_speedup(free) == pytest.approx(r.stats.mean_accepted_length)
@@ -293,7 +297,7 @@ def test_the_shipped_checkpoints_carry_their_measured_cost_models(pair):
   for kind, path in pair.drafts.items():
     cost = checkpoint.read_cost_models(path)[kind]
     assert cost.target_params == num_params(target.config) and 0 < cost.cost_ratio < 1
-    assert (cost.backend, cost.device_kind) == ("cpu", "cpu")  # what CPU users get (`jspec.calibration`)
+    assert (cost.backend, cost.device_kind) == ("cpu", "cpu")  # what CPU users get (`jspec.planning.calibration`)
 
 
 def test_settings_refuse_every_bad_value():

@@ -8,9 +8,12 @@ import jax
 import pytest
 
 import jspec
-from jspec import calibrate, calibration, checkpoint, cli, costs, testing
-from jspec.decoder import make_decoder
-from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec import calibrate, cli, testing
+from jspec.core.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec.decoding.decoder import make_decoder
+from jspec.formats import checkpoint
+from jspec.planning import calibration
+from jspec.speculation import costs
 
 
 @pytest.fixture(autouse=True)

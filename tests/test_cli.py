@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import checkpoint, cli, drafters, flags, testing
+from jspec import cli, drafters, flags, testing
+from jspec.formats import checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import automaton, constraints, decode, model, testing, tokenizer
-from jspec.settings import AdaptiveConfig, SpecConfig, TreeConfig
+from jspec import testing
+from jspec.core.settings import AdaptiveConfig, SpecConfig, TreeConfig
+from jspec.decoding import loop
+from jspec.model import model
+from jspec.text import automaton, constraints, tokenizer
 
 # Nine tokens: '!' .. '(' (ids 0..7) and an EOS (id 8).
 LAW_CONFIG = dataclasses.replace(testing.TINY, vocab_size=9, eos_id=8)
@@ -188,11 +191,11 @@ def test_constraints_of_one_bucket_do_not_retrace(target):
   draft = testing.random_draft("model", target)
   kw = dict(draft=draft, spec=testing.fixed_k(3), max_new_tokens=8)
   jspec.generate(target, ["warm up"], constraint=jspec.Regex("[a-z]+"), **kw)
-  before = dict(decode.trace_counts)
+  before = dict(loop.trace_counts)
   for i, c in enumerate([jspec.Regex("[0-9]+"), jspec.Choice(["a", "b"]), jspec.Regex("(ab|cd)*e")]):
     r = jspec.generate(target, ["abc" * (i + 1)], constraint=c, temperature=0.5 * i, seed=i, **kw)
     assert r.stats.compile_seconds == 0.0
-  assert dict(decode.trace_counts) == before
+  assert dict(loop.trace_counts) == before
 
 
 @pytest.mark.parametrize("constraint,message", [

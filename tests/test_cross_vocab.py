@@ -1,4 +1,4 @@
-"""Drafts with another tokenizer (token-level intersection, `jspec.vocab_map`, `jspec.drafters.draft_model`):
+"""Drafts with another tokenizer (token-level intersection, `jspec.text.vocab_map`, `jspec.drafters.draft_model`):
 the tables, the exact law of the first tokens, greedy identity, the target itself under another vocabulary."""
 import argparse
 import dataclasses
@@ -10,10 +10,15 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import jspec
-from jspec import loading, memory, model, shaped, shipped, testing, tokenizer, vocab_map
-from jspec.decoder import make_decoder
+from jspec import testing
+from jspec.core import shipped
+from jspec.decoding.decoder import make_decoder
 from jspec.drafters.draft_model import CrossVocabDrafter, ModelDrafter
-from jspec.model import Model
+from jspec.formats import loading
+from jspec.model import model
+from jspec.model.model import Model
+from jspec.planning import memory, shaped
+from jspec.text import tokenizer, vocab_map
 
 # The law pair: a target over 16 letters, a draft over 8 of them, 3 others and a merge of two shared ones.
 TARGET_LETTERS = list("abcdefghijklmnop")

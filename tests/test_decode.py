@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import decode, testing
-from jspec.decoder import make_decoder
-from jspec.request import make_batch
+from jspec import testing
+from jspec.decoding import loop
+from jspec.decoding.batches import make_batch
+from jspec.decoding.decoder import make_decoder
 
 NO_EOS = testing.NO_EOS
 FIXED_K = testing.fixed_k()
@@ -84,7 +85,7 @@ def test_request_at_the_edge_of_the_context_finishes(pair):
 
 
 def test_prompt_buckets_hold_the_prompt_with_at_most_a_third_padding():
-  from jspec.request import prompt_bucket
+  from jspec.decoding.batches import prompt_bucket
   widths = [prompt_bucket(n) for n in range(1, 4097)]
   assert all(n <= w for n, w in zip(range(1, 4097), widths))
   assert all(n > w * 2 // 3 for n, w in zip(range(17, 4097), widths[16:]))  # padding < a third of the width
@@ -113,7 +114,7 @@ def test_requests_stop_each_row_at_its_own_tokens(pair):
   plain = jspec.generate(target, [[1, 2], [3]], max_new_tokens=8).token_ids
   stops = [plain[0][2], plain[1][4]]  # each row's third and fifth token
   requests = make_batch(decoder, [[1, 2], [3]], 8, stop_ids=[[s] for s in stops])
-  r = decode.run(decoder, decode.start(decoder, requests))
+  r = loop.run(decoder, loop.start(decoder, requests))
   lens = (r.seq_lens_B - r.prompt_lens_B).tolist()
   assert lens[0] == plain[0].index(stops[0]) + 1 and lens[1] == plain[1].index(stops[1]) + 1
 
@@ -148,7 +149,7 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   def run(decoder, prompts, lens, temperature, seeds):
     requests = template.replace(prompts_BxP=prompts, prompt_lens_B=lens, seeds_B=seeds,
                                 sampling=template.sampling.replace(temperature=jnp.full((2,), temperature)))
-    return decode.run(decoder, decode.start(decoder, requests)).tokens_BxT
+    return loop.run(decoder, loop.start(decoder, requests)).tokens_BxT
 
   for i in range(3):
     prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)

@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import checkpoint, decode, drafters, shipped, testing
-from jspec.decoder import make_decoder
-from jspec.request import make_batch
-from jspec.settings import SpecConfig
+from jspec import drafters, testing
+from jspec.core import shipped
+from jspec.core.settings import SpecConfig
+from jspec.decoding import loop
+from jspec.decoding.batches import make_batch
+from jspec.decoding.decoder import make_decoder
+from jspec.formats import checkpoint
 
 CONFIG = testing.SMALL_VOCAB
 VOCAB = CONFIG.vocab_size
@@ -74,13 +77,13 @@ def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
 
   @jax.jit
   def fresh(tokens_BxP, lens_B):
-    return decode.start(decoder, requests.replace(prompts_BxP=tokens_BxP, prompt_lens_B=lens_B))
+    return loop.start(decoder, requests.replace(prompts_BxP=tokens_BxP, prompt_lens_B=lens_B))
 
   @jax.jit
   def proposal(state):
     return decoder.drafter.propose(decoder.weights, state.drafter_state, state.context, keys)[1].logits_BxKxV
 
-  step = jax.jit(lambda s: decode.speculative_step(decoder, s))
+  step = jax.jit(lambda s: loop.speculative_step(decoder, s))
   state = fresh(requests.prompts_BxP, requests.prompt_lens_B)
   mid_rejections = 0
   for _ in range(6):
@@ -98,12 +101,12 @@ def test_no_retrace_across_requests(target, kind):
   """New prompts of a bucket, lengths, seeds, sampling values and ignore_eos compile nothing new."""
   kw = dict(draft=make_draft(kind, target), spec=testing.fixed_k(3, drafter=kind))
   jspec.generate(target, [[1, 2, 3]], max_new_tokens=10, **kw)
-  before = dict(decode.trace_counts)
+  before = dict(loop.trace_counts)
   for i, temp in enumerate([0.0, 0.8, 1.2]):
     r = jspec.generate(target, [[4] * (i + 2)], max_new_tokens=10 + i, temperature=temp, top_k=i,
                        top_p=1.0 - 0.1 * i, seed=i, ignore_eos=bool(i % 2), **kw)
     assert r.stats.compile_seconds == 0.0
-  assert dict(decode.trace_counts) == before
+  assert dict(loop.trace_counts) == before
 
 
 def test_ngram_lookup_finds_the_most_recent_longest_match():
@@ -205,9 +208,9 @@ def test_eagle3_round_trip_and_eagle1_heads_still_load(target, tmp_path):
 def test_training_time_test_unrolls_exactly_what_drafting_computes(target):
   """The unrolled training pass (`ttt_loss`'s step j at position t) gives the same features as drafting:
   real features fed to the cache up to t - j, then the head's own outputs for j steps."""
-  from jspec import cache as kvcache
-  from jspec import model
   from jspec.drafters.eagle import unrolled_attention
+  from jspec.model import cache as kvcache
+  from jspec.model import model
 
   heads = testing.random_eagle3(target, scale=1.0)
   d, params, tp = heads.drafter, heads.params, target.params

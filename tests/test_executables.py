@@ -11,7 +11,8 @@ import jax
 import pytest
 
 import jspec
-from jspec import executables, programs, testing
+from jspec import testing
+from jspec.decoding import executables, program_cache
 
 NO_EOS = testing.NO_EOS
 
@@ -19,11 +20,11 @@ NO_EOS = testing.NO_EOS
 @pytest.fixture
 def cache_dir(tmp_path):
   before = jax.config.jax_compilation_cache_dir
-  programs.use_compile_cache(str(tmp_path))
-  programs.release_executables()
+  program_cache.use_compile_cache(str(tmp_path))
+  program_cache.release_executables()
   yield tmp_path
   jax.config.update("jax_compilation_cache_dir", before)
-  programs.release_executables()
+  program_cache.release_executables()
 
 
 def stored(cache_dir):
@@ -38,7 +39,7 @@ def test_a_new_process_loads_the_program_and_decodes_the_same(cache_dir, caplog)
   first = jspec.generate(target, ["def f(", "x"], **kw)
   files = stored(cache_dir)
   assert len(files) == 1 and files[0].name.startswith("decode-")
-  programs.release_executables()  # what a new process has
+  program_cache.release_executables()  # what a new process has
   with caplog.at_level(logging.INFO, logger="jspec"):
     again = jspec.generate(target, ["def g(", "y"], **dict(kw, seed=5))
     second = jspec.generate(target, ["def f(", "x"], **kw)
@@ -55,7 +56,7 @@ def test_a_damaged_file_is_compiled_again(cache_dir):
   first = jspec.generate(target, ["abc"], max_new_tokens=8)
   [file] = stored(cache_dir)
   file.write_bytes(file.read_bytes()[:100])
-  programs.release_executables()
+  program_cache.release_executables()
   assert executables.load(file) is None and not file.exists()
   assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
 
@@ -89,19 +90,19 @@ def test_a_program_only_jaxs_cache_holds_is_compiled_once_more_and_stored(cache_
   found"), so it is compiled once more under a key of its own and stored: later processes load it."""
   target = testing.random_model(NO_EOS, seed=0)
   with monkeypatch.context() as m:  # an earlier jspec, which let JAX's cache keep what it stored too
-    m.setattr(programs, "jax_config", types.SimpleNamespace(
+    m.setattr(program_cache, "jax_config", types.SimpleNamespace(
         persistent_cache_min_compile_time_secs=lambda seconds: contextlib.nullcontext()))
     first = jspec.generate(target, ["x"], max_new_tokens=4)
   for file in stored(cache_dir):
     file.unlink()
-  programs.release_executables()
+  program_cache.release_executables()
   jax.clear_caches()
   with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
     again = jspec.generate(target, ["x"], max_new_tokens=4)  # held by JAX's cache: compiled again and stored
   assert "Persistent compilation cache hit for 'jit__run'" in caplog.text
   caplog.clear()
   assert len(stored(cache_dir)) == 1
-  programs.release_executables()
+  program_cache.release_executables()
   with caplog.at_level(logging.INFO, logger="jspec"):
     last = jspec.generate(target, ["x"], max_new_tokens=4)
   assert "loaded the decode program" in caplog.text and "compiling" not in caplog.text
@@ -116,9 +117,9 @@ def test_a_program_jax_holds_from_its_cache_is_not_stored(cache_dir):
   f(x)  # compiled, and kept in JAX's cache
   jax.clear_caches()
   f(x)  # loaded from JAX's cache
-  programs.compiled("f", lambda: f.lower(x), (x,))
+  program_cache.compiled("f", lambda: f.lower(x), (x,))
   assert stored(cache_dir) == []
-  programs.compiled("g", lambda: jax.jit(lambda x: jax.numpy.tan(x) * 3).lower(x), (x,))
+  program_cache.compiled("g", lambda: jax.jit(lambda x: jax.numpy.tan(x) * 3).lower(x), (x,))
   assert len(stored(cache_dir)) == 1
 
 
@@ -133,17 +134,17 @@ def test_a_run_again_loads_its_programs_while_it_starts(cache_dir, monkeypatch):
   executables.prefetch(str(cache_dir), "run a")
   first = jspec.generate(target, ["abc"], max_new_tokens=8)
   [file] = stored(cache_dir)
-  programs.release_executables()  # a new process, the same settings
+  program_cache.release_executables()  # a new process, the same settings
   loads.clear()
   executables.prefetch(str(cache_dir), "run a")
   assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
   assert [(name, thread.startswith("jspec-prefetch")) for name, thread in loads] == [(file.name, True)]
-  programs.release_executables()  # other settings: nothing prefetched, the program loads when needed
+  program_cache.release_executables()  # other settings: nothing prefetched, the program loads when needed
   loads.clear()
   executables.prefetch(str(cache_dir), "run b")
   assert jspec.generate(target, ["abc"], max_new_tokens=8).token_ids == first.token_ids
   assert [(name, thread.startswith("jspec-prefetch")) for name, thread in loads] == [(file.name, False)]
-  programs.release_executables()  # run a again, with another program: only that one is kept for it
+  program_cache.release_executables()  # run a again, with another program: only that one is kept for it
   executables.prefetch(str(cache_dir), "run a")
   jspec.generate(target, ["abc", "de"], max_new_tokens=8)
   [other] = set(stored(cache_dir)) - {file}
@@ -151,7 +152,7 @@ def test_a_run_again_loads_its_programs_while_it_starts(cache_dir, monkeypatch):
   assert sorted(runs.values()) == sorted([[file.name], [other.name]])
   # A damaged or hostile list is ignored.
   (cache_dir / executables.SUBDIR / executables.RUNS_FILE).write_text(json.dumps({k: ["../x", 3] for k in runs}))
-  programs.release_executables()
+  program_cache.release_executables()
   loads.clear()
   executables.prefetch(str(cache_dir), "run a")
   (cache_dir / executables.SUBDIR / executables.RUNS_FILE).write_text("{")

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import drafters, model, registry, testing
+from jspec import drafters, testing
+from jspec.core import registry
 from jspec.drafters.base import draft_chain
+from jspec.model import model
 
 CONFIG = testing.SMALL_VOCAB
 

@@ -23,12 +23,13 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import cache as kvcache  # noqa: E402
-from jspec import convert, model, testing  # noqa: E402
+from jspec import convert, testing  # noqa: E402
+from jspec.core.settings import SpecConfig  # noqa: E402
 from jspec.drafters import DraftWeights  # noqa: E402
-from jspec.loading import load_shapes  # noqa: E402
-from jspec.settings import SpecConfig  # noqa: E402
-from jspec.tokenizer import byte_tokenizer  # noqa: E402
+from jspec.formats.loading import load_shapes  # noqa: E402
+from jspec.model import cache as kvcache  # noqa: E402
+from jspec.model import model  # noqa: E402
+from jspec.text.tokenizer import byte_tokenizer  # noqa: E402
 
 F = torch.nn.functional
 WIDTH, LAYERS, VOCAB, DRAFT_VOCAB = 64, 8, 264, 200
@@ -371,7 +372,7 @@ def test_trained_eagle3_heads_export_and_load_back_identically(targets, tmp_path
   _, target, target_dir = targets["llama"]
   heads = testing.random_eagle3(target, draft_vocab=DRAFT_VOCAB)  # the default layers of 8: 1, 3, 4
   drafter = heads.drafter
-  jspec.checkpoint.save_heads(heads, tmp_path / "ours")
+  jspec.formats.checkpoint.save_heads(heads, tmp_path / "ours")
   assert convert.main(["--to", fmt, str(tmp_path / "ours"), str(tmp_path / fmt), "--target", str(target_dir)]) == 0
   back = jspec.load(tmp_path / fmt)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(load_shapes(tmp_path / fmt).params))
@@ -387,7 +388,7 @@ def test_trained_eagle1_and_medusa_heads_export_and_load_back_identically(target
   tokens = TOKENS[:, 1:].numpy()
   for fmt, heads in [("eagle", testing.random_heads(jspec.drafters.EagleDrafter.for_target(target.config))),
                      ("medusa", testing.random_draft("medusa", target, heads=3))]:
-    jspec.checkpoint.save_heads(heads, tmp_path / fmt)
+    jspec.formats.checkpoint.save_heads(heads, tmp_path / fmt)
     assert convert.main(["--to", fmt, str(tmp_path / fmt), str(tmp_path / f"{fmt}-out"),
                          "--target", str(target_dir)]) == 0
     back = jspec.load(tmp_path / f"{fmt}-out")
@@ -424,7 +425,7 @@ def test_refusals_are_one_line(targets, tmp_path, capsys):
   with pytest.raises(ValueError, match="print, not only tensors; refusing"):
     jspec.load(tmp_path / "evil")
   assert "ran" not in capsys.readouterr().out
-  assert convert.main(["--to", "medusa", str(jspec.shipped.SMALL.drafts["eagle"]), str(tmp_path / "x"),
+  assert convert.main(["--to", "medusa", str(jspec.core.shipped.SMALL.drafts["eagle"]), str(tmp_path / "x"),
                        "--target", "code-small"]) == 2
   assert "no published format has" in capsys.readouterr().err
 
@@ -437,7 +438,7 @@ def test_speculators_package_agrees(targets, tmp_path):
 
   m, target, target_dir = targets["llama"]
   heads = testing.random_eagle3(target, scale=1.0, draft_vocab=DRAFT_VOCAB)
-  jspec.checkpoint.save_heads(heads, tmp_path / "ours")
+  jspec.formats.checkpoint.save_heads(heads, tmp_path / "ours")
   out = tmp_path / "speculators"
   assert convert.main(["--to", "speculators", str(tmp_path / "ours"), str(out), "--target", str(target_dir)]) == 0
   config = Eagle3SpeculatorConfig(**{k: v for k, v in json.loads((out / "config.json").read_text()).items()})

@@ -20,10 +20,11 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import convert, hf, model, testing  # noqa: E402
-from jspec.checkpoint import save  # noqa: E402
-from jspec.decoder import make_decoder  # noqa: E402
-from jspec.tokenizer import byte_tokenizer, encode  # noqa: E402
+from jspec import convert, testing  # noqa: E402
+from jspec.decoding.decoder import make_decoder  # noqa: E402
+from jspec.formats.checkpoint import save  # noqa: E402
+from jspec.model import hf, model  # noqa: E402
+from jspec.text.tokenizer import byte_tokenizer, encode  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every family against transformers
 

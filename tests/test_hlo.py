@@ -1,14 +1,17 @@
-"""The compiled decode loops never copy a whole KV-cache buffer (see jspec/cache.py)."""
+"""The compiled decode loops never copy a whole KV-cache buffer (see jspec/model/cache.py)."""
 import dataclasses
 
 import jax
 import pytest
 
-from jspec import cache as kvcache
-from jspec import drafters, model, programs, testing, tree
-from jspec.decoder import Decoder, make_decoder
-from jspec.request import make_batch
-from jspec.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
+from jspec import drafters, testing
+from jspec.core.settings import AdaptiveConfig, CostModel, SpecConfig, TreeConfig
+from jspec.decoding import programs
+from jspec.decoding.batches import make_batch
+from jspec.decoding.decoder import Decoder, make_decoder
+from jspec.model import cache as kvcache
+from jspec.model import model
+from jspec.speculation import tree
 
 pytestmark = pytest.mark.slow  # programs compiled as users compile them
 
@@ -68,7 +71,7 @@ def test_no_full_cache_copy_in_loop_body(batch, kind):
 def test_constraint_tables_are_not_copied_in_the_loop():
   """Each row's automaton tables ride in the loop state like a cache: read by gathers, never copied."""
   import jspec
-  from jspec import constraints
+  from jspec.text import constraints
   decoder, _ = _decoder_and_requests(4, "model-adaptive")
   vocabulary = constraints.Vocabulary.of(testing.random_model(CONFIG).tokenizer, [256], CONFIG.vocab_size)
   tables = constraints.compile(jspec.Regex("[a-z]{1,40}"), vocabulary)

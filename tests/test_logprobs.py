@@ -7,9 +7,9 @@ import pytest
 
 import jspec
 from jspec import testing
-from jspec.sampling import log_probabilities, sampling_arrays
-from jspec.scheduler import Request
-from jspec.settings import SamplingConfig, SpecConfig, TreeConfig
+from jspec.core.settings import SamplingConfig, SpecConfig, TreeConfig
+from jspec.engine.requests import Request
+from jspec.speculation.sampling import log_probabilities, sampling_arrays
 
 TOP = 3
 PROMPTS = [[3, 1, 4, 1, 5], [7] * 30]

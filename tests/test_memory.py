@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import cache as kvcache
-from jspec import decode, loading, machine, memory, plan, request, shaped, testing
-from jspec.config import ModelConfig, num_params
-from jspec.decoder import make_decoder
-from jspec.settings import SpecConfig
+from jspec import plan, testing
+from jspec.core import machine
+from jspec.core.settings import SpecConfig
+from jspec.decoding import batches, loop
+from jspec.decoding.decoder import make_decoder
+from jspec.formats import loading
+from jspec.model import cache as kvcache
+from jspec.model.config import ModelConfig, num_params
+from jspec.planning import memory, shaped
 
 # A tiny model whose context is long: hundreds of rows of 200k tokens would need tens of GB.
 LONG = ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=64,
@@ -71,8 +75,8 @@ def test_the_plan_counts_what_decoding_allocates():
   """The state a real decode starts from holds exactly the plan's caches."""
   target, draft = testing.random_pair()
   decoder = make_decoder(target, draft, None, 3)
-  requests = request.make_batch(decoder, [[1, 2], [3], [4, 5, 6]], 40)
-  state = decode.init_state(decoder, requests)
+  requests = batches.make_batch(decoder, [[1, 2], [3], [4, 5, 6]], 40)
+  state = loop.init_state(decoder, requests)
   u = memory.usage(decoder, 3, requests.prompts_BxP.shape[1], requests.capacity)
   assert u.kv_cache_bytes == memory.nbytes(state.target_cache)
   assert u.draft_kv_cache_bytes == memory.nbytes(state.drafter_state)
@@ -81,7 +85,7 @@ def test_the_plan_counts_what_decoding_allocates():
 
 def test_a_mesh_divides_what_it_shards():
   """model=2 splits heads, MLP and vocabulary (and the kv-head rows of the cache); data=2 the batch rows."""
-  target = loading.load_shapes(jspec.shipped.SMALL.target)
+  target = loading.load_shapes(jspec.core.shipped.SMALL.target)
   decoder = shaped.shaped_decoder(target, None, None, 4)
   one = memory.usage(decoder, 4, 16, 512)
   model2 = memory.usage(decoder, 4, 16, 512, memory.planned_mesh({"model": 2}))
@@ -95,7 +99,7 @@ def test_a_mesh_divides_what_it_shards():
 
 
 def test_the_largest_batch_and_context_are_the_edge_of_what_fits():
-  target = loading.load_shapes(jspec.shipped.SMALL.target)
+  target = loading.load_shapes(jspec.core.shipped.SMALL.target)
   decoder = shaped.shaped_decoder(target, None, None, 1)
   budget = (300 * 10 ** 6, "given")
   need = lambda rows, ctx, prompt: memory.usage(decoder, rows, *memory.shape(decoder, ctx, prompt)).total_bytes
@@ -121,7 +125,7 @@ def test_the_estimated_workspace_bounds_the_compiled_one():
 
 
 def _refused(call) -> str:
-  from jspec.bench.timing import peak_memory_mb, reset_peak_memory
+  from jspec.bench.harness import peak_memory_mb, reset_peak_memory
   reset_peak_memory()
   before = peak_memory_mb()
   with pytest.raises(ValueError) as refusal:
@@ -142,11 +146,11 @@ def test_what_cannot_fit_is_refused_before_anything_is_allocated():
   # An engine's slots share a paged cache of the pages that fit (nothing allocated until a request comes);
   # one that cannot hold a single page is refused. Without slots, as many whole contexts as fit.
   per_row = jspec.make_engine(m, slots=1, max_len=200_000).capacity // kvcache.PAGE_SIZE
-  assert jspec.make_engine(m, slots=300, max_len=200_000).page_table.pages < 300 * per_row
+  assert jspec.make_engine(m, slots=300, max_len=200_000).kv_pages.pages < 300 * per_row
   need = lambda rows: memory.make_plan(make_decoder(m, None, None, 1), rows, 200_000, 199_999,
                                        serving=True, memory=(budget, "")).usage.total_bytes
   fraction = (need(4) + need(5)) / 2 / budget
-  assert 4 * per_row <= jspec.make_engine(m, slots=5, max_len=200_000, memory_fraction=fraction).page_table.pages \
+  assert 4 * per_row <= jspec.make_engine(m, slots=5, max_len=200_000, memory_fraction=fraction).kv_pages.pages \
       < 5 * per_row
   assert jspec.make_engine(m, slots=None, max_len=200_000, memory_fraction=fraction).slots == 4
   message = _refused(lambda: jspec.make_engine(m, slots=300, max_len=200_000, memory_fraction=need(0) / budget))
@@ -224,7 +228,7 @@ def test_the_documented_configs_plan(draft, capsys):
 def test_the_plan_shapes_caches_as_generate_and_the_engine_do():
   m = testing.random_model()
   decoder = make_decoder(m, None, None, 1)
-  assert memory.shape(decoder, 300, 16) == (16, request.capacity(16, 284, decoder.headroom)) == (16, 384)
+  assert memory.shape(decoder, 300, 16) == (16, batches.capacity(16, 284, decoder.headroom)) == (16, 384)
   assert memory.shape(decoder, 300, 299, serving=True) == (384, 384)
   assert jspec.make_engine(m, slots=1, max_len=300).capacity == 384
   assert kvcache.BLOCK_SIZE == 128

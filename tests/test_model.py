@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec import cache as kvcache
-from jspec import model, testing
-from jspec.config import RopeScaling, num_params
+from jspec import testing
+from jspec.model import cache as kvcache
+from jspec.model import model
+from jspec.model.config import RopeScaling, num_params
 
 
 def _check_chunks(config, chunk, batch, capacity, prompt_lens, total, seed=0, heads_major=False):

@@ -1,5 +1,5 @@
-"""Paged KV caches (jspec/cache.py, jspec/pages.py): decoding through page tables gives the tokens contiguous
-caches give, for every drafter, chains and trees, greedy and sampled, and the loop holds no copy of the pool;
+"""Paged KV caches (jspec/model/cache.py, jspec/engine/pages.py): decoding through page tables gives the tokens
+contiguous caches give, for every drafter, chains and trees, greedy and sampled, and the loop holds no copy of the pool;
 an engine short of pages preempts and resumes to the same tokens, constrained rows too, and leaks none."""
 import threading
 
@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import automaton, programs, request, rows, testing
-from jspec import cache as kvcache
-from jspec.decoder import make_decoder
-from jspec.request import make_batch
-from jspec.scheduler import Request
-from jspec.settings import SamplingConfig, SpecConfig, TreeConfig
+from jspec import testing
+from jspec.core.settings import SamplingConfig, SpecConfig, TreeConfig
+from jspec.decoding import batches, programs, rows
+from jspec.decoding.batches import make_batch
+from jspec.decoding.decoder import make_decoder
+from jspec.engine.requests import Request
+from jspec.model import cache as kvcache
+from jspec.text import automaton
 
 PROMPTS = [[3, 1, 4, 1, 5], list(range(2, 124)), [7] * 200]  # rows that start, cross and fill pages
 NEW_TOKENS = 40
@@ -120,7 +122,7 @@ def test_an_engine_short_of_pages_preempts_and_resumes_to_the_tokens_of_generate
     want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=ENGINE_NEW[i]).token_ids[0]
     assert [t for d in out[i] for t in d.token_ids] == want, i
   assert engine.num_preemptions > 0
-  assert engine.page_table.num_free == engine.page_table.pages  # every page back
+  assert engine.kv_pages.num_free == engine.kv_pages.pages  # every page back
 
 
 def test_pages_never_leak_under_aborts_and_preemptions(pair):
@@ -144,7 +146,7 @@ def test_pages_never_leak_under_aborts_and_preemptions(pair):
         engine.abort(i)
   assert {i for i, reason in finished.items() if reason == "abort"} == aborted and len(finished) == 20
   assert engine.num_preemptions > 0
-  assert engine.page_table.num_free == engine.page_table.pages and not engine.page_table.table.any()
+  assert engine.kv_pages.num_free == engine.kv_pages.pages and not engine.kv_pages.table.any()
 
 
 def test_a_constrained_request_resumes_inside_its_constraint(monkeypatch):
@@ -188,24 +190,24 @@ def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
              "diverge": SYSTEM[:256] + [9] * 10}
   hits = {"first": 0, "again": 256, "short": 128, "diverge": 128 if kind == "eagle" else 256}
   for i, prompt in prompts.items():
-    before = engine.prefix_hits
+    before = engine.kv_pages.prefix_hits
     engine.add(Request(prompt, 24), i)
     out = _drain(engine)
     want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=24)
     assert [t for d in out[i] for t in d.token_ids] == want.token_ids[0], i
-    assert engine.prefix_hits - before == hits[i], i
+    assert engine.kv_pages.prefix_hits - before == hits[i], i
     # The drafter's cache from the shared pages is its own prefill's: it drafts the same tokens.
     assert out[i][-1].stats.accepted_tokens == want.request_stats[0].accepted_tokens, i
   # Two requests of one new prompt at once (`n` choices): the second waits a step for the first's pages.
-  twin, before = [5] * 270, engine.prefix_hits
+  twin, before = [5] * 270, engine.kv_pages.prefix_hits
   engine.add(Request(twin, 24), "twin-0")
   engine.add(Request(twin, 24), "twin-1")
   out = _drain(engine)
-  assert engine.prefix_hits - before == 256
+  assert engine.kv_pages.prefix_hits - before == 256
   want = jspec.generate(target, [twin], draft=draft, spec=spec, max_new_tokens=24).token_ids[0]
   assert [[t for d in out[f"twin-{j}"] for t in d.token_ids] for j in range(2)] == [want, want]
-  assert engine.prefix_queries == sum(map(len, prompts.values())) + 2 * len(twin)
-  assert engine.page_table.num_free == engine.page_table.pages
+  assert engine.kv_pages.prefix_queries == sum(map(len, prompts.values())) + 2 * len(twin)
+  assert engine.kv_pages.num_free == engine.kv_pages.pages
 
 
 def test_a_prefix_hit_whose_program_compiles_prefills_whole_meanwhile(pair, monkeypatch):
@@ -216,7 +218,7 @@ def test_a_prefix_hit_whose_program_compiles_prefills_whole_meanwhile(pair, monk
   engine = jspec.make_engine(target, draft=draft, spec=spec, slots=2, max_len=400, segment_rounds=2)
   engine.prepare()
   engine.compile_in_background(ahead=False)
-  release, compile = threading.Event(), engine._compile
+  release, compile = threading.Event(), engine.program_cache._compile
   # The prefill from the cached prefix (84 tokens: a width of 96), not the whole prompts' (384).
   from_prefix = lambda key: key[0] == "insert" and key[1][1] < 256
 
@@ -225,15 +227,15 @@ def test_a_prefix_hit_whose_program_compiles_prefills_whole_meanwhile(pair, monk
       release.wait(60)
     compile(key, *args)
 
-  monkeypatch.setattr(engine, "_compile", held)
+  monkeypatch.setattr(engine.program_cache, "_compile", held)
   try:
     for i, prompt in {"first": SYSTEM + [1, 2], "again": SYSTEM + [9] * 40}.items():
       engine.add(Request(prompt, 16), i)
       out = _drain(engine)
       want = jspec.generate(target, [prompt], draft=draft, spec=spec, max_new_tokens=16).token_ids[0]
       assert [t for d in out[i] for t in d.token_ids] == want, i
-    assert any(map(from_prefix, engine._compiling))  # it was asked for
-    assert engine.prefix_hits == 0 and engine.page_table.num_free == engine.page_table.pages
+    assert any(map(from_prefix, engine.program_cache._compiling))  # it was asked for
+    assert engine.kv_pages.prefix_hits == 0 and engine.kv_pages.num_free == engine.kv_pages.pages
   finally:
     release.set()
 
@@ -253,7 +255,7 @@ def test_the_two_token_law_holds_through_a_prefix_hit():
   for deltas in _drain(engine).values():
     a, b = [t for d in deltas for t in d.token_ids]
     counts[a, b] += 1
-  assert engine.prefix_hits == n * 128
+  assert engine.kv_pages.prefix_hits == n * 128
   want = testing.exact_two_token_law(target, prompt, *sp)
   assert 0.5 * np.abs(counts / n - want).sum() < testing.tv_bound(want, n)
 
@@ -292,8 +294,8 @@ def test_streams_keep_moving_while_a_long_prompt_goes_in_chunks(pair):
     for i, prompt in prompts.items():
       engine.add(Request(prompt, 30 if i == "long" else 80, jspec.SamplingConfig(0.8), seed=attempt), (attempt, i))
     _drain(engine)
-    compiled.append(len(engine._executables))
+    compiled.append(len(engine.program_cache._executables))
   assert compiled[0] == compiled[1]
-  prefills = [key[1] for key in engine._executables if key[0] in ("insert", "chunk")]
+  prefills = [key[1] for key in engine.program_cache._executables if key[0] in ("insert", "chunk")]
   assert {shape for shape, _ in prefills} == {(1, engine.prompt_width)}
-  assert {width for _, width in prefills} <= {request.prompt_bucket(n) for n in range(1, 101)}
+  assert {width for _, width in prefills} <= {batches.prompt_bucket(n) for n in range(1, 101)}

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import attention, pallas_attention, testing
-from jspec.pallas_attention import Kernel
-from jspec.settings import TreeConfig
+from jspec import testing
+from jspec.core.settings import TreeConfig
+from jspec.model import attention
+from jspec.model.kernels import pallas_attention
+from jspec.model.kernels.pallas_attention import Kernel
 
 # The kernels share their block update and block ranges; the GPU's differs in its tiles and loop.
 GPU_CASES = ("chain", "step", "softcap", "tree-window", "prefill", "paged", "paged-tree")

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import sampling, testing
-from jspec.settings import AdaptiveConfig, SpecConfig
-from jspec.verify import verify, verify_greedy, verify_typical
+from jspec import testing
+from jspec.core.settings import AdaptiveConfig, SpecConfig
+from jspec.speculation import sampling
+from jspec.speculation.verify import verify, verify_greedy, verify_typical
 
 VOCAB = 8
 TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=VOCAB, eos_id=None)

@@ -20,9 +20,11 @@ import openai
 import pytest
 
 import jspec
-from jspec import shipped, testing, tokenizer
+from jspec import testing
+from jspec.core import shipped
 from jspec.serve import app
 from jspec.serve.launch import free_port, start, stop
+from jspec.text import tokenizer
 
 pytestmark = pytest.mark.slow  # a real server in a subprocess
 

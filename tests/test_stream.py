@@ -7,7 +7,10 @@ import random
 import pytest
 
 import jspec
-from jspec import decode, drafters, shipped, testing, tokenizer
+from jspec import drafters, testing
+from jspec.core import shipped
+from jspec.decoding import loop
+from jspec.text import tokenizer
 
 NO_EOS = testing.NO_EOS
 PROMPTS = ["def parse_args(", "x", "import numpy as np\nimport jax\nimport os, sys, re\n", "class Foo:\n    def",
@@ -111,13 +114,13 @@ def test_no_retrace_across_streams_of_a_bucket(pair):
   target, draft = pair
   kw = dict(draft=draft, batch_size=2, **FIXED_K)
   collect(jspec.stream(target, ["a", "bb", "ccc"], max_new_tokens=10, **kw))
-  before = dict(decode.trace_counts)
+  before = dict(loop.trace_counts)
   for i, temperature in enumerate([0.0, 0.8, 1.2]):
     stream = jspec.stream(target, ["xyz", "q", "hello", "w"][i:], max_new_tokens=10 + i, temperature=temperature,
                           top_k=3 * i, seed=i, ignore_eos=bool(i % 2), **kw)
     collect(stream)
     assert stream.stats.compile_seconds == 0.0
-  assert dict(decode.trace_counts) == before
+  assert dict(loop.trace_counts) == before
 
 
 def test_bad_stream_arguments_raise_value_error(pair):

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec import decode, testing
+from jspec import testing
+from jspec.decoding import loop
+from jspec.decoding.batches import GREEDY
 from jspec.drafters.base import DraftContext
 from jspec.drafters.suffix import MAX_MATCH, SuffixDrafter
-from jspec.request import GREEDY
-from jspec.sampling import sampling_arrays
+from jspec.speculation.sampling import sampling_arrays
 
 
 def test_the_index_finds_the_longest_latest_match_and_forgets_what_the_ring_overwrote():
@@ -79,9 +80,9 @@ def test_requests_draft_from_earlier_requests_losslessly_and_without_recompiling
   assert all(a == 1.0 for a in acceptance[2:]), acceptance
   _, own = _per_request(target, prompts, testing.fixed_k(4, drafter="ngram"))
   assert all(a < 1.0 for a in own[2:]), own  # its own context alone does not know it
-  before = dict(decode.trace_counts)
+  before = dict(loop.trace_counts)
   assert _per_request(target, prompts[::-1], suffix)[0] == plain[::-1]  # a fuller index compiles nothing new
-  assert dict(decode.trace_counts) == before
+  assert dict(loop.trace_counts) == before
 
 
 def test_a_request_drafts_from_one_still_running():

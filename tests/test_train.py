@@ -6,20 +6,24 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import checkpoint, testing, tokenizer
-from jspec import train as entry
-from jspec.training import continuations, data, train
+from jspec import testing
+from jspec.formats import checkpoint
+from jspec.text import tokenizer
+from jspec.train import cli as entry
+from jspec.train import continuations, data, trainer
 
 TINY_MODEL = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "mlp_dim": 64,
               "max_seq_len": 256}
 
 
-def test_split_is_deterministic_and_about_96_2_2():
+def test_split_is_deterministic_and_about_96_2_2(capsys):
   splits = [data.split_of(f"pkg/module_{i}.py") for i in range(5000)]
   share = {s: splits.count(s) / len(splits) for s in ("train", "validation", "heldout")}
   assert 0.94 < share["train"] < 0.98 and 0.01 < share["validation"] < 0.03 and 0.01 < share["heldout"] < 0.03
   assert splits == [data.split_of(f"pkg/module_{i}.py") for i in range(5000)]
   assert not set(data.corpus_files("heldout")) & set(data.corpus_files("validation"))
+  assert entry.main(["data", "--list", "heldout"]) == 0  # `python -m jspec.train data`
+  assert capsys.readouterr().out.split() == [str(f) for f in data.corpus_files("heldout")]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,7 @@ def _config(tmp_path, name, steps, **extra):
 @pytest.mark.slow
 def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
   (tmp_path / "data").symlink_to(data_dir)
-  assert train.main(["--config", str(_config(tmp_path, "target", 20))]) == 0
+  assert trainer.main(["--config", str(_config(tmp_path, "target", 20))]) == 0
   log = json.loads((tmp_path / "target" / "train_log.json").read_text())
   assert log["history"][0]["step"] == 0
   assert log["history"][-1]["validation_ce"] < log["history"][0]["validation_ce"] - 0.5
@@ -63,26 +67,26 @@ def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
   assert len(jspec.generate(target, ["def f("], max_new_tokens=5).token_ids[0]) >= 1
 
   # Resume: a second run of the same config with more steps starts from the saved step.
-  assert train.main(["--config", str(_config(tmp_path, "target", 30))]) == 0
+  assert trainer.main(["--config", str(_config(tmp_path, "target", 30))]) == 0
   log2 = json.loads((tmp_path / "target" / "train_log.json").read_text())
   assert [h["step"] for h in log2["history"]] == [30]
 
   # --save-latest writes the workdir's latest step again, without training.
   before = jspec.load(tmp_path / "target").params
-  assert train.main(["--config", str(_config(tmp_path, "target", 30)), "--save-latest"]) == 0
+  assert trainer.main(["--config", str(_config(tmp_path, "target", 30)), "--save-latest"]) == 0
   assert json.loads((tmp_path / "target" / "train_log.json").read_text())["steps"] == 30
   jax.tree.map(np.testing.assert_array_equal, jspec.load(tmp_path / "target").params, before)
 
   # Continued from saved weights alone (another machine, no workdir): it starts at the given step and
   # keeps what the weights had learned.
   fresh = _config(tmp_path, "continued", 40)
-  assert train.main(["--config", str(fresh), "--init-from", str(tmp_path / "target"), "--start-step", "30"]) == 0
+  assert trainer.main(["--config", str(fresh), "--init-from", str(tmp_path / "target"), "--start-step", "30"]) == 0
   log3 = json.loads((tmp_path / "continued" / "train_log.json").read_text())
   assert [h["step"] for h in log3["history"]] == [40]
   assert log3["validation_ce"] < log["history"][0]["validation_ce"] - 0.5
 
   draft_cfg = _config(tmp_path, "draft", 20, teacher=str(tmp_path / "target"), ce_weight=0.1)
-  assert train.main(["--config", str(draft_cfg)]) == 0
+  assert trainer.main(["--config", str(draft_cfg)]) == 0
   draft = jspec.load(tmp_path / "draft")
   r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=16, draft_len=3)
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=16).token_ids
@@ -92,7 +96,7 @@ def test_training_lowers_the_loss_distills_and_resumes(tmp_path, data_dir):
 def tiny_target(tmp_path_factory, data_dir):
   root = tmp_path_factory.mktemp("heads")
   (root / "data").symlink_to(data_dir)
-  assert train.main(["--config", str(_config(root, "target", 10))]) == 0
+  assert trainer.main(["--config", str(_config(root, "target", 10))]) == 0
   return root
 
 
@@ -102,7 +106,7 @@ def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tiny_target, 
   tmp_path = tiny_target
   heads_cfg = _config(tmp_path, kind, 20, drafter=kind, target=str(tmp_path / "target"),
                       heads={"num_heads": 3} if kind == "medusa" else {"feature_noise": 0.1})
-  assert train.main(["--config", str(heads_cfg)]) == 0
+  assert trainer.main(["--config", str(heads_cfg)]) == 0
   log = json.loads((tmp_path / kind / "train_log.json").read_text())
   assert log["history"][-1]["validation_loss"] < log["history"][0]["validation_loss"]
   target, heads = jspec.load(tmp_path / "target"), jspec.load(tmp_path / kind)
@@ -134,7 +138,7 @@ def test_continuations_are_the_targets_text_and_a_draft_distills_on_them(tiny_ta
                                 np.load(data.shard_path(root / "data", "validation")))
 
   draft_cfg = _config(root, "draft-continued", 10, teacher=str(root / "target"), ce_weight=0.1, data=str(out))
-  assert train.main(["--config", str(draft_cfg)]) == 0
+  assert trainer.main(["--config", str(draft_cfg)]) == 0
   draft = jspec.load(root / "draft-continued")
   r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, draft_len=3)
   assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids

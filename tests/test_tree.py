@@ -8,11 +8,15 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import cache as kvcache
-from jspec import checkpoint, decode, model, testing, tree
-from jspec.config import num_params
-from jspec.decoder import make_decoder
-from jspec.settings import DEFAULT_TREE, CostModel, SpecConfig, TreeConfig
+from jspec import testing
+from jspec.core.settings import DEFAULT_TREE, CostModel, SpecConfig, TreeConfig
+from jspec.decoding import loop
+from jspec.decoding.decoder import make_decoder
+from jspec.formats import checkpoint
+from jspec.model import cache as kvcache
+from jspec.model import model
+from jspec.model.config import num_params
+from jspec.speculation import tree
 
 # Chunk entry 0 is the pending token; node m is entry m + 1. Three children of the pending token, two
 # below the first, one below the second, one below entry 4 (depth 3).
@@ -220,12 +224,12 @@ def test_tree_requests_of_a_bucket_do_not_retrace(target):
   draft = _draft("eagle", target)
   spec = SpecConfig(draft_len=3, tree=TREE)
   jspec.generate(target, ["warm up"], draft=draft, max_new_tokens=10, spec=spec)
-  before = dict(decode.trace_counts)
+  before = dict(loop.trace_counts)
   for i, temperature in enumerate([0.0, 0.8, 1.2]):
     r = jspec.generate(target, ["abc" * (i + 1)], draft=draft, max_new_tokens=10, spec=spec,
                        temperature=temperature, top_k=i * 3, seed=i)
     assert r.stats.compile_seconds == 0.0
-  assert dict(decode.trace_counts) == before
+  assert dict(loop.trace_counts) == before
 
 
 TINY_VOCAB = dataclasses.replace(testing.TINY, vocab_size=8, eos_id=None)

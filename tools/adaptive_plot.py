@@ -11,8 +11,8 @@ import json
 import pathlib
 
 import jspec
-from jspec import shipped
-from jspec.settings import DRAFTERS, AdaptiveConfig, SpecConfig
+from jspec.core import shipped
+from jspec.core.settings import DRAFTERS, AdaptiveConfig, SpecConfig
 
 PROMPT = ('def load_settings(path):\n    """Read the settings file.\n\n    This paragraph is plain English, the '
           'kind of long explanation a careful author writes when the behaviour is surprising. Settings come '

@@ -24,10 +24,11 @@ from collections.abc import Callable
 import jax
 
 import jspec
-from jspec import flags, shipped, testing
+from jspec import flags, testing
 from jspec.bench import cross_vocab, end_to_end, gpu, paging, parts, serving, structured, suffix, sweep
+from jspec.bench.harness import machine
 from jspec.bench.prompts import PROMPT_SETS
-from jspec.bench.timing import machine
+from jspec.core import shipped
 
 
 def _ints(text: str) -> list[int]:
@@ -135,7 +136,7 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
 
 def _cost_model(path: str | None):
   """The default drafter's entry of a cost_model.json."""
-  from jspec.settings import CostModel
+  from jspec.core.settings import CostModel
   return None if path is None else CostModel(**json.loads(pathlib.Path(path).read_text())[shipped.DEFAULT_DRAFTER])
 
 

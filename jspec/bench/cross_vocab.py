@@ -11,14 +11,15 @@ import jax
 import numpy as np
 
 import jspec
-from jspec import model, testing
+from jspec import testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS
-from jspec.bench.timing import interleaved
-from jspec.decoder import make_decoder
+from jspec.core.settings import SpecConfig
+from jspec.core.timing import interleaved
+from jspec.decoding.decoder import make_decoder
 from jspec.drafters.draft_model import CrossVocabDrafter
-from jspec.settings import SpecConfig
-from jspec.tokenizer import detokenize, encode
+from jspec.model import model
+from jspec.text.tokenizer import detokenize, encode
 
 
 def suite_cross_vocab(pair: Models, others: list[str], draft_lens: list[int], sets: list[str], max_new: int,

@@ -10,12 +10,14 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import programs, shipped, testing
+from jspec import testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
-from jspec.bench.timing import interleaved
-from jspec.decoder import make_decoder
-from jspec.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec.core import shipped
+from jspec.core.settings import AdaptiveConfig, CostModel, SpecConfig
+from jspec.core.timing import interleaved
+from jspec.decoding import program_cache
+from jspec.decoding.decoder import make_decoder
 
 
 def suite_adaptive(target, draft, kind: str, max_new: int, repeats: int, prompts_per_set: int) -> dict:
@@ -105,7 +107,7 @@ def suite_defaults(pair: Models, max_new: int, repeats: int, count: int,
       print(json.dumps({"set": name, "batch": batch, **rows[-1]}), file=sys.stderr)
     summary = lambda key: {f"median_{key}": statistics.median(r[key] for r in rows),
                            f"min_{key}": min(r[key] for r in rows), f"max_{key}": max(r[key] for r in rows)}
-    programs.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
+    program_cache.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
     out["runs"][f"{name}_batch{batch}"] = {"set": name, "batch": batch, "rows": rows, **summary("speedup"),
                                            **{k: v for x in others for k, v in summary(f"speedup_{x}").items()},
                                            **(summary("adaptive_over_best_fixed") if fixed else {})}
@@ -150,7 +152,7 @@ def suite_drafters(pair: Models, kinds: list[str], draft_lens: list[int], sets: 
                        "greedy_identical": last[v].token_ids == last["ar"].token_ids} for v in variants})
       print(json.dumps({"set": name, **{v: [round(r["speedup"], 3), round(r["priced_speedup"], 3), round(r["tau"], 2)]
                                         for v, r in rows[-1].items()}}), file=sys.stderr)
-      programs.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
+      program_cache.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
     out["sets"][name] = {v: {"median_speedup": statistics.median(r[v]["speedup"] for r in rows),
                              "min_speedup": min(r[v]["speedup"] for r in rows),
                              "max_speedup": max(r[v]["speedup"] for r in rows),

@@ -30,15 +30,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec import cache as kvcache
-from jspec import decode, model, pallas_attention, programs, shipped, testing
-from jspec.bench.timing import interleaved
-from jspec.calibration import round_and_step, step_loop
-from jspec.config import ModelConfig, num_params
-from jspec.decoder import make_decoder
-from jspec.request import make_batch
-from jspec.settings import SpecConfig
-from jspec.tokenizer import byte_tokenizer
+from jspec import testing
+from jspec.core import shipped
+from jspec.core.settings import SpecConfig
+from jspec.core.timing import interleaved
+from jspec.decoding import loop, programs
+from jspec.decoding.batches import make_batch
+from jspec.decoding.decoder import make_decoder
+from jspec.model import cache as kvcache
+from jspec.model import model
+from jspec.model.config import ModelConfig, num_params
+from jspec.model.kernels import pallas_attention
+from jspec.planning.calibration import round_and_step, step_loop
+from jspec.text.tokenizer import byte_tokenizer
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                         mlp_dim=14336, rope_theta=500000.0, tie_embeddings=False, max_seq_len=8192,
@@ -167,7 +171,7 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
   for k in ((2,) if smoke else (2, 4, 8)):
     decoder = make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
     requests = make_batch(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
-    state = jax.jit(decode.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
+    state = jax.jit(loop.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
     t = interleaved(round_and_step(decoder, state, steps=8), 1 if smoke else 3)
     out["round_in_target_steps"][k] = t["round"] / t["step"]
   return out

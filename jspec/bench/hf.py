@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import jspec
-from jspec.bench.timing import interleaved
-from jspec.tokenizer import encode
+from jspec.core.timing import interleaved
+from jspec.text.tokenizer import encode
 
 
 def to_hf(src: str | pathlib.Path, out: pathlib.Path) -> pathlib.Path:

@@ -11,12 +11,13 @@ import jax
 import numpy as np
 
 import jspec
-from jspec import pages, programs
 from jspec.bench.parts import Models, shipped_pair
-from jspec.decoder import make_decoder
-from jspec.request import make_batch
-from jspec.scheduler import Request
-from jspec.training import data
+from jspec.decoding import programs
+from jspec.decoding.batches import make_batch
+from jspec.decoding.decoder import make_decoder
+from jspec.engine import pages
+from jspec.engine.requests import Request
+from jspec.train import data
 
 CHUNK = 512  # the server's --max-prefill-tokens
 
@@ -52,7 +53,7 @@ def capacity(target, draft, kind: str, slot_rows: int, requests: int, max_len: i
   text = _heldout_tokens(target, 1024 * requests, seed)
   lens = [(int(rng.integers(64, 1025)), int(rng.integers(32, 257))) for _ in range(requests)]
   probe = jspec.make_engine(target, draft=draft, slots=1, max_len=max_len)
-  per_row = probe.capacity // jspec.cache.PAGE_SIZE
+  per_row = probe.capacity // jspec.model.cache.PAGE_SIZE
   engine = jspec.make_engine(target, draft=draft, slots=requests, max_len=max_len, pages=slot_rows * per_row)
   for i, (p, n) in enumerate(lens):
     engine.add(Request(text[i * 1024:i * 1024 + p], n, ignore_eos=True), i)
@@ -60,7 +61,7 @@ def capacity(target, draft, kind: str, slot_rows: int, requests: int, max_len: i
   begin = time.perf_counter()
   _drain(engine, lambda: decoding.append(sum(r is not None for r in engine._running)))
   mean_prompt, mean_output = statistics.mean(p for p, _ in lens), statistics.mean(n for _, n in lens)
-  return {"drafter": kind, "max_len": max_len, "pages": engine.page_table.pages, "pages_per_slot": per_row,
+  return {"drafter": kind, "max_len": max_len, "pages": engine.kv_pages.pages, "pages_per_slot": per_row,
           "slot_rows": slot_rows, "requests": requests, "mean_prompt": mean_prompt, "mean_output": mean_output,
           # what a perfectly packed cache could hold: a slot's tokens over a request's mean
           "ceiling_ratio": per_row * pages.PAGE_SIZE / (mean_prompt + mean_output), "most_decoding": max(decoding),
@@ -92,7 +93,7 @@ def shared_prefix(target, draft, kind: str, system_tokens: int, requests: int, m
   return {"drafter": kind, "system_tokens": system_tokens, "max_prefill_tokens": CHUNK, "ttft_first": ttft[0],
           "ttft_later_median": later, "ttft_ratio": later / ttft[0], "goal": 0.3, "prefill_first": prefill[0],
           "prefill_later_median": statistics.median(prefill[1:]),
-          "prefix_hits": engine.prefix_hits, "prefix_queries": engine.prefix_queries}
+          "prefix_hits": engine.kv_pages.prefix_hits, "prefix_queries": engine.kv_pages.prefix_queries}
 
 
 def long_prompt_stall(target, draft, kind: str, streams: int, prompt_tokens: int, max_prefill: int | None,

@@ -13,12 +13,15 @@ import jax.numpy as jnp
 from jax import lax
 
 import jspec
-from jspec import cache as kvcache
-from jspec import decode, model, shipped, testing
-from jspec.bench.timing import interleaved
-from jspec.calibration import started, step_loop, timed_loop
-from jspec.config import ModelConfig, num_params
+from jspec import testing
+from jspec.core import shipped
+from jspec.core.timing import interleaved
+from jspec.decoding import loop
 from jspec.drafters import Proposal
+from jspec.model import cache as kvcache
+from jspec.model import model
+from jspec.model.config import ModelConfig, num_params
+from jspec.planning.calibration import started, step_loop, timed_loop
 
 # ~31M parameters: a target large enough that a step is dominated by reading its weights.
 MID = ModelConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64, mlp_dim=1536,
@@ -31,7 +34,7 @@ STEP_MODEL = ModelConfig(vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_h
 
 
 def naive_step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int, steps: int = 32):
-  """The layout jspec/cache.py avoids: one stacked `[N, B, T, J, Dh]` cache, a vmapped per-row update, and
+  """The layout jspec/model/cache.py avoids: one stacked `[N, B, T, J, Dh]` cache, a vmapped per-row update, and
   attention over the whole capacity. XLA on the CPU copies the written buffer every step."""
   tokens = jnp.ones((batch, 1), jnp.int32)
   positions = jnp.full((batch, 1), used, jnp.int32)
@@ -182,7 +185,7 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
     """A proposal and an AR step that do not depend on each other: what they cost together beyond their
     sum is what the draft's weights and cache cost the target in evicted CPU caches."""
     s, value = propose(s, i)
-    s = decode.autoregressive_step(decoder, s)
+    s = loop.autoregressive_step(decoder, s)
     return s, value + s.seq_lens_B.sum()
 
   def sweep(s, i, floats):
@@ -199,9 +202,9 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
   # parts rewind to where they started, so every iteration does the same work.
   with_lengths = lambda s: (s, s.seq_lens_B.sum())
   parts = {
-      "round": lambda s, i: with_lengths(decode.speculative_step(decoder, s)),
-      "ar_step": lambda s, i: with_lengths(decode.autoregressive_step(decoder, s)),
-      "verify_step": lambda s, i: with_lengths(decode.verify_step(decoder, s, fixed, keys[0])),
+      "round": lambda s, i: with_lengths(loop.speculative_step(decoder, s)),
+      "ar_step": lambda s, i: with_lengths(loop.autoregressive_step(decoder, s)),
+      "verify_step": lambda s, i: with_lengths(loop.verify_step(decoder, s, fixed, keys[0])),
       "propose": propose, "verify_forward": verify_forward, "propose_and_ar_step": propose_and_ar_step}
   reading = {"sweep": sweep, "propose_cold": propose_cold}  # parts that also read the carried floats
 

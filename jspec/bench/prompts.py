@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-from jspec.training import data
+from jspec.train import data
 
 
 def edit_prompts(count: int, max_lines: int = 12) -> list[str]:

@@ -15,11 +15,12 @@ import sys
 import numpy as np
 
 import jspec
-from jspec import automaton, constraints, programs
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import heldout_prompts
-from jspec.bench.timing import interleaved
-from jspec.settings import SpecConfig
+from jspec.core.settings import SpecConfig
+from jspec.core.timing import interleaved
+from jspec.decoding import program_cache
+from jspec.text import automaton, constraints
 
 PERMISSIVE = jspec.Regex(r"[\s\S]*")
 FUNCTION_SCHEMA = {"type": "object", "properties": {
@@ -34,8 +35,8 @@ def table_sizes(vocab_size: int = 128_000) -> dict:
   training corpus (the size of Llama 3's), for the benchmark's schema, JSON mode and a permissive regex."""
   import time
 
-  from jspec.tokenizer import EOS_TOKEN, train_bpe
-  from jspec.training import data
+  from jspec.text.tokenizer import EOS_TOKEN, train_bpe
+  from jspec.train import data
   begin = time.perf_counter()
   tok = train_bpe(data.read_texts("train"), vocab_size)
   out = {"vocab_size": tok.get_vocab_size(), "bpe_seconds": time.perf_counter() - begin, "constraints": {}}
@@ -82,7 +83,7 @@ def suite_structured(pair: Models, kinds: list[str], max_new: int, repeats: int,
                                                                      **spec(k)))
       last[f"free_{kind}"] = run(prompt + JSON_PROMPT, **spec(kind))  # acceptance without the constraint
     t = interleaved(fns, repeats)
-    programs.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
+    program_cache.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
     tps = lambda name: last[name].stats.emitted_tokens / t[name]
     json_text = last["plain_json"].texts[0]
     row = {"permissive_plain_tps_ratio": tps("plain_permissive") / tps("plain"),

@@ -22,13 +22,13 @@ import jspec
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import heldout_prompts
 from jspec.bench.structured import FUNCTION_SCHEMA, JSON_PROMPT
-from jspec.bench.timing import interleaved
+from jspec.core.settings import SpecConfig
+from jspec.core.timing import interleaved
+from jspec.decoding.batches import GREEDY
 from jspec.drafters.base import DraftContext
 from jspec.drafters.ngram import NgramDrafter
 from jspec.drafters.suffix import SuffixDrafter
-from jspec.request import GREEDY
-from jspec.sampling import sampling_arrays
-from jspec.settings import SpecConfig
+from jspec.speculation.sampling import sampling_arrays
 
 PROPOSALS_TIMED = 200  # proposals per timed call, in one jitted loop (a call's dispatch is not counted)
 

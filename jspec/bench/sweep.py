@@ -9,13 +9,16 @@ import sys
 import jax.numpy as jnp
 
 import jspec
-from jspec import adaptive, checkpoint, programs
+from jspec.bench.harness import Progress, peak_memory_mb, reset_peak_memory
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import heldout_prompts
-from jspec.bench.timing import Progress, interleaved, peak_memory_mb, reset_peak_memory
-from jspec.calibration import drafter_cost_ratio, verify_ratio
-from jspec.config import num_params
-from jspec.settings import CostModel, SpecConfig, TreeConfig
+from jspec.core.settings import CostModel, SpecConfig, TreeConfig
+from jspec.core.timing import interleaved
+from jspec.decoding import program_cache
+from jspec.formats import checkpoint
+from jspec.model.config import num_params
+from jspec.planning.calibration import drafter_cost_ratio, verify_ratio
+from jspec.speculation import adaptive
 
 
 def cell(target, draft, kind: str, groups: list[list[str]], temperature: float, k: int, max_new: int,
@@ -104,7 +107,7 @@ def suite_sweep(target, drafts: dict, prompts: list[str], draft_lens: list[int],
     row["round_cost_predicted"] = float(rounds_K[-1])
     out["cells"].append(row)
     save(out)
-    programs.release_executables()
+    program_cache.release_executables()
   progress.close()
   return out
 
@@ -134,7 +137,7 @@ def suite_tree(pair: Models, kinds: list[str], chain_lens: list[int], batches: l
         out["cells"].append(row)
         print(json.dumps({key: row[key] for key in ("drafter", "batch", "draft_len", "tree", "tau", "speedup",
                                                     "decode_speedup", "round_cost_in_ar_steps")}), file=sys.stderr)
-      programs.release_executables()
+      program_cache.release_executables()
     trees = [c for c in out["cells"] if c["drafter"] == kind and c["tree"] and c["batch"] == min(batches)]
     out.setdefault("fastest_tree", {})[kind] = max(trees, key=lambda c: c["speedup"])["tree"]
     if write:

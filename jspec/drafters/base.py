@@ -14,7 +14,7 @@ loop's carried state. Each round the loop calls:
 
 Everything else the engine needs to know of a kind (whether it needs weights, how far its cache may trail
 the text, the longest context it holds, how its checkpoint is written and read, how it is trained) is
-asked of the drafter here, never of its kind's name. Kinds are listed in `jspec.registry`.
+asked of the drafter here, never of its kind's name. Kinds are listed in `jspec.core.registry`.
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jspec.automaton import Automata
-from jspec.config import ModelConfig
-from jspec.sampling import SamplingParams, next_token
-from jspec.settings import CostModel, SpecConfig, TreeConfig
+from jspec.core.settings import CostModel, SpecConfig, TreeConfig
+from jspec.model.config import ModelConfig
+from jspec.speculation.sampling import SamplingParams, next_token
+from jspec.text.automaton import Automata
 
 if TYPE_CHECKING:
-  from jspec.model import Model
+  from jspec.model.model import Model
 
 DrafterState = Any  # a pytree; None for stateless drafters
 
@@ -49,12 +49,12 @@ class Proposal:
 
 @flax.struct.dataclass
 class TreeProposal:
-  """A draft tree per row, flattened as `jspec.tree` describes: node m's token, the chunk index of its
+  """A draft tree per row, flattened as `jspec.speculation.tree` describes: node m's token, the chunk index of its
   parent, and (for children drawn from q) the logits q came from at each chunk entry."""
   tokens_BxM: jax.Array
   parents_BxM: jax.Array
   logits_BxM1xV: jax.Array | None
-  rule: str = flax.struct.field(pytree_node=False)  # jspec.tree.TOP_K or SAMPLED
+  rule: str = flax.struct.field(pytree_node=False)  # jspec.speculation.tree.TOP_K or SAMPLED
 
 
 @flax.struct.dataclass
@@ -82,7 +82,7 @@ class Drafter:
   """The base every drafter derives from: the loop's calls, and what the engine asks of a kind. A subclass
   is a frozen dataclass with a `kind` and the methods its drafting needs; the defaults below describe a
   drafter with no weights of its own, no cache that trails the text, and chains only."""
-  kind: ClassVar[str]  # its name in `jspec.registry`
+  kind: ClassVar[str]  # its name in `jspec.core.registry`
   needs_weights: ClassVar[bool] = True  # False: it drafts from the context alone (`for_pair` gets no draft)
   can_skip_rounds: ClassVar[bool] = False  # rows may lack a proposal; a round where none has one is a plain step
   supports_tree: ClassVar[bool] = False  # implements `propose_tree`
@@ -194,7 +194,7 @@ class Drafter:
     raise NotImplementedError
 
   def retire(self, state: DrafterState, tokens_RxT: jax.Array, lens_R: jax.Array) -> DrafterState:
-    """Rows of a running batch end and take new requests (`jspec.rows.insert`): their texts were
+    """Rows of a running batch end and take new requests (`jspec.decoding.rows.insert`): their texts were
     `tokens[r, :lens[r]]` (length 0: a row whose text is not shared). A drafter whose state outlives requests
     learns from them here."""
     return state
@@ -214,7 +214,7 @@ def check_heads_fit(kind: str, heads_config: ModelConfig, target: Model) -> None
 
 
 def dynamic_tree_shape(kind: str, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
-  """`Drafter.tree_shape` for drafters that grow EAGLE-2's dynamic tree (`jspec.tree.grow`)."""
+  """`Drafter.tree_shape` for drafters that grow EAGLE-2's dynamic tree (`jspec.speculation.tree.grow`)."""
   if shape.choices is not None:
     raise ValueError(f"the {kind} drafter grows its tree dynamically; tree choices are for static trees")
   made = shape.top_k + (depth - 1) * shape.top_k ** 2
@@ -229,11 +229,11 @@ def dynamic_tree_shape(kind: str, shape: TreeConfig, depth: int, nodes_asked: bo
 @dataclasses.dataclass(frozen=True)
 class Heads:
   """Trained Medusa or EAGLE weights, the drafter they belong to, and the cost models measured with them
-  (by drafter kind; see `jspec.settings.CostModel`)."""
+  (by drafter kind; see `jspec.core.settings.CostModel`)."""
   drafter: Drafter
   params: dict
   cost_models: dict[str, CostModel] = dataclasses.field(default_factory=dict)
-  source: str = ""  # the published format they were read from (`jspec.head_formats`); "": jspec's own
+  source: str = ""  # the published format they were read from (`jspec.formats.head_formats`); "": jspec's own
 
   @property
   def num_params(self) -> int:

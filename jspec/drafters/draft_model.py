@@ -9,7 +9,7 @@ round (`propose_tree`) keeps d = n and so trails by the accepted path, at most t
 
 The draft may pad its vocabulary to another size than the target's (same tokenizer): its logits are cut or
 padded (with -inf) to the target's width, so it never proposes an id past the smaller of the two. A draft
-with another tokenizer drafts as `CrossVocabDrafter`, by token-level intersection (`jspec.vocab_map` builds
+with another tokenizer drafts as `CrossVocabDrafter`, by token-level intersection (`jspec.text.vocab_map` builds
 the tables; they ride in the drafter's weights as `vocab_map`).
 
 It proposes from its logits restricted to the intersection, laid out over the target's vocabulary
@@ -33,10 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jspec import cache as kvcache
-from jspec import model, tree
-from jspec.config import ModelConfig
-from jspec.control import run_if
+from jspec.core.settings import SpecConfig, TreeConfig
 from jspec.drafters.base import (
   DraftContext,
   Drafter,
@@ -47,11 +44,15 @@ from jspec.drafters.base import (
   dynamic_tree_shape,
   onto_vocab,
 )
-from jspec.model import Model
-from jspec.settings import SpecConfig, TreeConfig
+from jspec.model import cache as kvcache
+from jspec.model import model
+from jspec.model.config import ModelConfig
+from jspec.model.model import Model
+from jspec.speculation import tree
+from jspec.speculation.control import run_if
 
 if TYPE_CHECKING:
-  from jspec.vocab_map import VocabMap
+  from jspec.text.vocab_map import VocabMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,7 @@ class ModelDrafter(Drafter):
   def for_pair(cls, target: Model, draft: Model, spec: SpecConfig) -> ModelDrafter:
     # Embeddings may be padded to other sizes. Models without tokenizers are shapes for a memory plan.
     if None not in (draft.tokenizer, target.tokenizer):
-      from jspec.tokenizer import same_vocab  # here: the decode loop itself never reads a tokenizer
+      from jspec.text.tokenizer import same_vocab  # here: the decode loop itself never reads a tokenizer
       if not same_vocab(draft.tokenizer, target.tokenizer):
         return CrossVocabDrafter.for_tokenizers(target, draft)
     return cls(draft.config, vocab_size=target.config.vocab_size)
@@ -142,7 +143,7 @@ class ModelDrafter(Drafter):
 
   def propose_tree(self, weights: DraftWeights, cache: kvcache.KVCache, context: DraftContext, spec: SpecConfig,
                    keys_Bx2: jax.Array) -> tuple[kvcache.KVCache, TreeProposal]:
-    """The dynamic tree (`jspec.tree.grow`) from the draft's own distributions; the cache keeps only the
+    """The dynamic tree (`jspec.speculation.tree.grow`) from the draft's own distributions; the cache keeps only the
     text, so after the round it trails by the accepted tokens, which the next round feeds (`max_lag`)."""
     params, n = weights.drafter, context.seq_lens_B
     logits_BxV, cache = self._catch_up(params, cache, context.tokens_BxT, n)
@@ -181,7 +182,7 @@ class CrossVocabDrafter(ModelDrafter):
   @classmethod
   def for_tokenizers(cls, target: Model, draft: Model) -> CrossVocabDrafter:
     """The drafter for a draft whose tokenizer differs from the target's (both must have one)."""
-    from jspec.vocab_map import vocab_map  # here: the decode loop itself never reads a tokenizer
+    from jspec.text.vocab_map import vocab_map  # here: the decode loop itself never reads a tokenizer
     tables = vocab_map(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size,
                        target.config.eos_id, draft.config.eos_id)
     return cls(draft.config, vocab_size=target.config.vocab_size, spelling_len=tables.spelling_len,

@@ -35,9 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import cache as kvcache
-from jspec import model, tree
-from jspec.config import ModelConfig
+from jspec.core.settings import SpecConfig, TreeConfig
 from jspec.drafters import losses
 from jspec.drafters.base import (
   DraftContext,
@@ -51,7 +49,10 @@ from jspec.drafters.base import (
   dynamic_tree_shape,
   onto_vocab,
 )
-from jspec.settings import SpecConfig, TreeConfig
+from jspec.model import cache as kvcache
+from jspec.model import model
+from jspec.model.config import ModelConfig
+from jspec.speculation import tree
 
 
 @flax.struct.dataclass
@@ -320,7 +321,7 @@ class EagleDrafter(Drafter):
 
   def propose_tree(self, weights: DraftWeights, state: EagleState, context: DraftContext, spec: SpecConfig,
                    keys_Bx2: jax.Array) -> tuple[EagleState, TreeProposal]:
-    """EAGLE-2's dynamic tree (`jspec.tree.grow`): each level feeds the frontier's (parent feature, token)
+    """EAGLE-2's dynamic tree (`jspec.speculation.tree.grow`): each level feeds the frontier's (parent feature, token)
     pairs at once, each entry seeing the cache and its ancestors; the next round recomputes from real
     features, so nothing fed here needs to be kept."""
     params, target_params, n = weights.drafter, weights.target, context.seq_lens_B

@@ -6,7 +6,7 @@ itself already gives t + 1, the token the round starts from. Each head is `num_l
 `original_lm_head`), or one each (as FasterDecoding's Medusa trains them). As a chain, each head proposes
 one token and q is that head's distribution under the request's sampling transform, so verification stays
 exact. As a static tree (Medusa's `tree_choices`), the node at path (r_1, ..., r_d) is head d's r_d-th most
-likely token: children chosen deterministically, verified by `jspec.tree`'s top-k rule.
+likely token: children chosen deterministically, verified by `jspec.speculation.tree`'s top-k rule.
 Weights: `w [heads, layers, D, D]`, `b [heads, layers, D]`, zero-initialized so an untrained head repeats
 the LM head; with LM heads of their own, `lm_head [own_heads, D, V]`.
 """
@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec import model, tree
-from jspec.config import ModelConfig
+from jspec.core.settings import SpecConfig, TreeConfig
 from jspec.drafters import losses
 from jspec.drafters.base import (
   DraftContext,
@@ -32,7 +31,9 @@ from jspec.drafters.base import (
   check_heads_fit,
   draw_path,
 )
-from jspec.settings import SpecConfig, TreeConfig
+from jspec.model import model
+from jspec.model.config import ModelConfig
+from jspec.speculation import tree
 
 
 @dataclasses.dataclass(frozen=True)

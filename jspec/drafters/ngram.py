@@ -13,8 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.core.settings import SpecConfig
 from jspec.drafters.base import DraftContext, Drafter, DraftWeights, Proposal
-from jspec.settings import SpecConfig
 
 
 def lookup(tokens_BxT: jax.Array, seq_lens_B: jax.Array, max_ngram: int) -> tuple[jax.Array, jax.Array, jax.Array]:

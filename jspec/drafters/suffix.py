@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.core.settings import SpecConfig
 from jspec.drafters.base import DraftContext, DraftWeights, Proposal
 from jspec.drafters.ngram import NgramDrafter, lookup
-from jspec.settings import SpecConfig
 
 MAX_MATCH = 8  # the longest run of tokens looked up in the index
 _MIX = 0x9E3779B1  # a hash step's multiplier (2^32 over the golden ratio, odd)

@@ -1,1 +1,1 @@
-"""`python -m jspec.serve`: an OpenAI-compatible HTTP server over the online engine (`jspec.scheduler`)."""
+"""`python -m jspec.serve`: an OpenAI-compatible HTTP server over the online engine (`jspec.engine.engine`)."""

@@ -21,14 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from jspec.logprobs import TokenLogprob
-from jspec.model import Model
-from jspec.scheduler import Delta, Request
+from jspec.engine.requests import Delta, Request
+from jspec.model.model import Model
 from jspec.serve import protocol
 from jspec.serve.loop import EngineLoop
 from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from jspec.serve.startup import Startup
-from jspec.tokenizer import detokenize, encode
+from jspec.speculation.logprobs import TokenLogprob
+from jspec.text.tokenizer import detokenize, encode
 
 DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when not given (OpenAI's default)
 MAX_BODY_BYTES = 4 << 20  # a /v1 request's body

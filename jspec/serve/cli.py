@@ -14,8 +14,9 @@ import signal
 import threading
 
 import jspec
-from jspec import flags, logprobs
-from jspec.scheduler import SEGMENT_ROUNDS, STREAM_ROUNDS
+from jspec import flags
+from jspec.engine.engine import SEGMENT_ROUNDS, STREAM_ROUNDS
+from jspec.speculation import logprobs
 
 EXAMPLES = """examples:
   python -m jspec.serve
@@ -110,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
   flags.show_status(True)
   check(args)
   leader = flags.init_distributed(args)
-  from jspec import programs  # here: --help answers without the server's imports
+  from jspec.decoding import program_cache  # here: --help answers without the server's imports
 
   if not args.no_compile_cache:
-    programs.use_compile_cache(args.compile_cache)
+    program_cache.use_compile_cache(args.compile_cache)
   if not leader:
     return follow(args)
   import uvicorn

@@ -4,7 +4,7 @@ Process 0 takes HTTP and decides; the others follow. Before each engine step pro
 changes (the requests it adds and aborts, or that the server stops) in the coordinator's key-value store,
 and every process applies the same commands to its own engine and steps it: all of them run the same SPMD
 programs on the same inputs in the same order. The engine decides everything else from what its segments
-report, which every process reads whole (`jspec.programs.fetch`), and it compiles a program where a step
+report, which every process reads whole (`jspec.decoding.programs.fetch`), and it compiles a program where a step
 first needs it, so the processes never part ways. A follower asked to stop (SIGTERM) asks process 0, which
 stops the server, and the stop reaches every process as the last message.
 """
@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import jax
 
-from jspec import constraints
-from jspec.scheduler import Engine, Request
-from jspec.settings import SamplingConfig
+from jspec.core.settings import SamplingConfig
+from jspec.engine.engine import Engine
+from jspec.engine.requests import Request
+from jspec.text import constraints
 
 log = logging.getLogger("jspec")
 PREFIX = "jspec/serve/"

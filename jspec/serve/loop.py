@@ -16,7 +16,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jspec.scheduler import Delta, Engine, Request
+from jspec.engine.engine import Engine
+from jspec.engine.requests import Delta, Request
 from jspec.serve.hosts import Commands, Leader
 from jspec.serve.metrics import Metrics
 from jspec.serve.protocol import APIError

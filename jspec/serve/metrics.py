@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from jspec.stats import DecodeStats
+from jspec.speculation.stats import DecodeStats
 
 disable_created_metrics()  # as vLLM: no `_created` series beside each counter and histogram
 
@@ -66,23 +66,25 @@ class Metrics:
     self._counted = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
 
   def cost_model(self, source: str | None) -> None:
-    """Says where the running programs' cost model comes from (`jspec.costs.SOURCES`; None: no adaptive
+    """Says where the running programs' cost model comes from (`jspec.speculation.costs.SOURCES`; None: no adaptive
     policy, nothing said)."""
     if source is not None:
       self._cost_model.labels(self.model_name, source).set(1)
 
   def observe_engine(self, engine) -> None:
-    """The engine's queue and pages after a step (`jspec.scheduler.Engine`)."""
+    """The engine's queue and pages after a step (`jspec.engine.engine.Engine`)."""
     self.running.set(engine.num_running)
     self.waiting.set(engine.num_waiting)
-    if engine.page_table is not None:
-      pages = engine.page_table
+    pages = engine.kv_pages
+    if pages is not None:
       self.free_pages.set(pages.num_free)
       self.kv_usage.set(1 - pages.num_free / pages.pages)
+      counts = {"num_preemptions": engine.num_preemptions, "prefix_queries": pages.prefix_queries,
+                "prefix_hits": pages.prefix_hits}
       for name, counter in [("num_preemptions", self.preemptions), ("prefix_queries", self.prefix_queries),
                             ("prefix_hits", self.prefix_hits)]:
-        counter.inc(getattr(engine, name) - self._counted[name])
-        self._counted[name] = getattr(engine, name)
+        counter.inc(counts[name] - self._counted[name])
+        self._counted[name] = counts[name]
 
   def observe_segment(self, stats: DecodeStats, running_B: np.ndarray) -> None:
     """The counters' growth since the last segment (`stats`: the engine's, on the host), and the policy's

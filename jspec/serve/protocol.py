@@ -3,7 +3,7 @@ reads them, with vLLM's extra fields (`top_k`, `ignore_eos`, `seed`, `stop_token
 output's `guided_regex`, `guided_choice`, `guided_json` beside OpenAI's `response_format`) and jspec's
 `speculate` (False: decode this request plainly) and `suffix_cache` (False: keep this request's text out of
 the suffix drafter's index, and draft it from its own text only). Log-probabilities (`logprobs`, `top_logprobs`, `echo`)
-are the target's (`jspec.logprobs`), in OpenAI's shapes: the completions route's token lists, the chat
+are the target's (`jspec.speculation.logprobs`), in OpenAI's shapes: the completions route's token lists, the chat
 route's `content` entries with their bytes.
 
 Requests are validated strictly: wrong types, out-of-range values and fields the endpoint does not take
@@ -19,12 +19,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jspec.constraints import JSON_OBJECT, Choice, Constraint, JsonSchema, Regex
-from jspec.logprobs import MAX_TOP, TokenLogprob
-from jspec.scheduler import Delta
-from jspec.settings import SamplingConfig
-from jspec.stats import RequestStats
-from jspec.tokenizer import token_bytes
+from jspec.core.settings import SamplingConfig
+from jspec.engine.requests import Delta
+from jspec.speculation.logprobs import MAX_TOP, TokenLogprob
+from jspec.speculation.stats import RequestStats
+from jspec.text.constraints import JSON_OBJECT, Choice, Constraint, JsonSchema, Regex
+from jspec.text.tokenizer import token_bytes
 
 MAX_SEED = 2 ** 63
 MAX_N = 16  # choices one request may ask for

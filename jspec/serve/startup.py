@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import flags
-from jspec.pages import pages_for
+from jspec.engine.pages import pages_for
 from jspec.serve import hosts
 from jspec.serve.loop import EngineLoop
 from jspec.serve.metrics import Metrics
@@ -112,7 +112,7 @@ def build_engine(args: argparse.Namespace, say: Callable[[str], None] = lambda _
                              prefix_caching=not args.no_prefix_caching,
                              max_prefill_tokens=args.max_prefill_tokens or None,
                              max_logprobs=args.max_logprobs, **models)
-  engine.quiet = True
+  engine.program_cache.quiet = True  # the server says its phases instead
   say("compiling the programs every request needs")
   log.info("compiling the programs every request needs (%d slots of %d tokens)", engine.slots, engine.max_len)
   engine.prepare(plain_first)
@@ -124,8 +124,9 @@ def calibrate(target, models: dict, slots: int, using: str | None = None) -> boo
   these models on this device, as vLLM profiles at start-up, and keeps it: it applies from the next start
   (the running programs were compiled with the `using` figures: the checkpoint's or neutral ones). Meshes
   keep the figures they have. True when it measured."""
-  from jspec import calibration, costs
-  from jspec.decoder import drafter_kind
+  from jspec.decoding.decoder import drafter_kind
+  from jspec.planning import calibration
+  from jspec.speculation import costs
 
   spec, draft = models["spec"], models["draft"]
   if spec is None or spec.adaptive is None or spec.tree is not None or models["mesh"] is not None:

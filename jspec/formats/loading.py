@@ -1,0 +1,75 @@
+"""`jspec.load`: one entry point above the checkpoint formats (jspec model or heads directories, published
+draft heads, Hugging Face model directories)."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+
+from jspec.core import registry, shipped
+from jspec.core.settings import DTYPES
+from jspec.drafters import Heads
+from jspec.formats import checkpoint, head_formats
+from jspec.model import hf, model
+from jspec.model.config import default_dtype
+from jspec.model.model import Model
+from jspec.text import tokenizer
+
+
+def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model | Heads:
+  """A model (a jspec checkpoint, a Hugging Face model directory of a family in `jspec.model.hf.FAMILIES`, or a
+  shipped pair's name such as "code" for its target), or Medusa/EAGLE heads (`Heads`): jspec's own, or
+  published ones in a format of `jspec.formats.head_formats` (EAGLE, EAGLE-3, speculators, Medusa).
+
+  Parameters and activations use `dtype` ("float32" or "bfloat16"), by default fp32 on the CPU and bf16 on
+  accelerators. With a `mesh` (`jspec.make_mesh`), each array is placed in its shards as it is read.
+  Every problem is a one-line ValueError.
+  """
+  if dtype not in (None, *DTYPES):
+    raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+  path = shipped.resolve(path).absolute()
+  if not path.is_dir():
+    raise ValueError(f"{path}: no such checkpoint directory")
+  if checkpoint.is_heads_dir(path):
+    return checkpoint.load_heads(path, dtype, mesh)
+  found = head_formats.detect(path)
+  if found is not None:
+    return head_formats.load_head(path, found, dtype or default_dtype())  # placed on a mesh when decoding
+  if hf.is_hf_dir(path):
+    return hf.load_hf(path, dtype or default_dtype(), mesh)
+  return checkpoint.load_model(path, dtype, mesh)
+
+
+def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | Heads:
+  """A model or heads with their parameters' shapes only (`jax.ShapeDtypeStruct`s), from a checkpoint
+  directory (the weights are not read) or a bare `config.json` (jspec's or Hugging Face's) or
+  `drafter.json`: what the memory plan needs (`jspec.planning.memory`). A model keeps the `tokenizer.json` beside its
+  config, if any: a draft with another tokenizer than its target's holds more cache (`jspec.text.vocab_map`)."""
+  dtype = dtype or default_dtype()
+  if dtype not in DTYPES:
+    raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+  path = shipped.resolve(path).absolute()
+  found = head_formats.detect(path) if path.is_dir() and not checkpoint.is_heads_dir(path) else None
+  if found is not None:  # a published head: read (they are small beside their target), then only shapes kept
+    heads = head_formats.load_head(path, found, dtype)
+    return dataclasses.replace(heads, params=jax.eval_shape(lambda: heads.params))
+  if path.is_dir():
+    path = path / (checkpoint.HEADS_FILE if checkpoint.is_heads_dir(path) else "config.json")
+  fields = checkpoint.read_json(path)
+  if not isinstance(fields, dict):
+    raise ValueError(f"{path}: not a JSON object")
+  init = jax.random.PRNGKey(0)
+  if "kind" in fields:  # drafter.json
+    heads_config = checkpoint.parse_config(fields.get("config", {}), dtype, path)
+    if fields["kind"] not in registry.DRAFTERS:
+      raise ValueError(f"{path}: unknown drafter kind {fields['kind']!r}")
+    drafter = registry.drafter_class(fields["kind"]).from_metadata(heads_config, fields)
+    return Heads(drafter, jax.eval_shape(drafter.init_params, init))
+  try:
+    config = (hf.config_from_hf(fields, dtype) if "model_type" in fields
+              else checkpoint.parse_config(fields, dtype, path))
+  except KeyError as e:
+    raise ValueError(f"{path}: config without {e}") from None
+  tok = tokenizer.load_tokenizer(path.parent) if (path.parent / "tokenizer.json").is_file() else None
+  return Model(config, jax.eval_shape(lambda k: model.init_params(config, k), init), tokenizer=tok)

@@ -1,0 +1,284 @@
+"""Hugging Face model directories, read without torch: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3.
+
+Reads `config.json` (transformers 4's `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`),
+`generation_config.json` (more stop tokens), the safetensors files tensor by tensor with the `safetensors`
+package, `tokenizer.json`, and the chat template. Each family becomes one `ModelConfig`: its differences are
+fields, not code. HF checkpoints store q/k projections in the rotate-half RoPE layout that `jspec.model.rope`
+uses, so weights map over with a transpose and no permutation.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can read it)
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jspec.model import model, sharding
+from jspec.model.config import ModelConfig, RopeScaling
+from jspec.model.model import Model
+from jspec.text.tokenizer import load_chat_template, load_tokenizer
+
+FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# What a Gemma 3 text config leaves out means transformers' defaults (Hub files of the multimodal models
+# give only a few fields of `text_config`).
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                            query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                            sliding_window=4096, sliding_window_pattern=6, rms_norm_eps=1e-6,
+                            max_position_embeddings=131072, hidden_activation="gelu_pytorch_tanh")
+# jspec's name for each per-layer weight -> the Hugging Face module that holds it (`...layers.{i}.`).
+ATTENTION_NAMES = dict(wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj", wo="self_attn.o_proj")
+MLP_NAMES = dict(w_gate="mlp.gate_proj", w_up="mlp.up_proj", w_down="mlp.down_proj")
+BIAS_NAMES = dict(bq="self_attn.q_proj", bk="self_attn.k_proj", bv="self_attn.v_proj")
+
+
+def is_hf_dir(path: pathlib.Path) -> bool:
+  try:
+    return "model_type" in json.loads((pathlib.Path(path) / "config.json").read_text())
+  except (OSError, json.JSONDecodeError):
+    return False
+
+
+def _text_config(hf: dict) -> dict:
+  """The language model's config: a Gemma 3 multimodal wrapper's `text_config`, with defaults filled in."""
+  if hf.get("model_type") == "gemma3":
+    hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+  if hf.get("model_type") == "gemma3_text":
+    hf = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+  return hf
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None, float | None, float]:
+  """(theta, scaling, the local layers' theta, partial rotary factor) from either generation of keys."""
+  params = hf.get("rope_parameters") or {}
+  local = None
+  if "full_attention" in params:  # transformers 5, per layer type (Gemma 3)
+    local = params.get("sliding_attention", {}).get("rope_theta")
+    params = params["full_attention"]
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  local = local if local is not None else hf.get("rope_local_base_freq")
+  scaling = hf.get("rope_scaling") or params
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  partial = float(hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+  if kind == "default":
+    return theta, None, local, partial
+  if kind == "longrope":
+    raise ValueError("unsupported: rope_scaling.rope_type 'longrope' (Phi-3 long-context variants); jspec reads "
+                     "linear, dynamic, llama3 and yarn")
+  max_pos = hf.get("max_position_embeddings")
+  original = scaling.get("original_max_position_embeddings") or max_pos
+  factor = scaling.get("factor") or max_pos / original
+  try:
+    return theta, RopeScaling(
+        type=kind, factor=float(factor), original_max_position_embeddings=original, max_position_embeddings=max_pos,
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
+        attention_factor=scaling.get("attention_factor"), mscale=scaling.get("mscale"),
+        mscale_all_dim=scaling.get("mscale_all_dim"), truncate=bool(scaling.get("truncate", True))), local, partial
+  except ValueError as e:
+    raise ValueError(f"rope_scaling: {e}") from None
+
+
+def _windows(hf: dict, family: str, layers: int) -> tuple[int, ...]:
+  """Each layer's sliding window (0: full attention)."""
+  window = hf.get("sliding_window") or 0
+  if not window or (family.startswith("qwen") and hf.get("use_sliding_window") is False):
+    return ()
+  types = hf.get("layer_types")
+  if types is None:
+    if family in ("mistral", "phi3"):
+      return (window,) * layers
+    if family == "gemma2":
+      types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    elif family == "gemma3":
+      pattern = hf.get("sliding_window_pattern", 6)
+      types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    else:  # qwen2, qwen3
+      start = hf.get("max_window_layers", layers)
+      types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+  windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+  return windows if any(windows) else ()
+
+
+def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = None) -> ModelConfig:
+  """A `ModelConfig` from a Hugging Face `config.json` (and `generation_config.json`)."""
+  hf = _text_config(hf)
+  family = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
+  if family not in FAMILIES:
+    raise ValueError(f"unsupported model_type {hf.get('model_type')!r}: jspec reads {', '.join(FAMILIES)}")
+  act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+  if act not in ACTIVATIONS:
+    raise ValueError(f"unsupported hidden_act {act!r}: jspec reads {', '.join(ACTIVATIONS)}")
+  if hf.get("mlp_bias") or (hf.get("attention_bias") and family != "qwen2"):
+    raise ValueError("unsupported: attention_bias or mlp_bias (qwen2's q/k/v bias is supported)")
+  gemma = family.startswith("gemma")
+  theta, scaling, local_theta, partial = _rope(hf)
+  heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+  context = hf.get("max_position_embeddings", 4096)
+  if scaling is not None and scaling.type in ("linear", "dynamic", "yarn"):  # they stretch the context
+    context = max(context, int((scaling.original_max_position_embeddings or context) * scaling.factor))
+  stops = []
+  for source in (hf, generation or {}):
+    ids = source.get("eos_token_id")
+    stops += [i for i in (ids if isinstance(ids, list) else [ids]) if i is not None and i not in stops]
+  return ModelConfig(
+      vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=layers, n_heads=heads,
+      n_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
+      rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qkv_bias=family == "qwen2" or bool(hf.get("attention_bias")),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)), max_seq_len=context, dtype=dtype,
+      bos_id=hf.get("bos_token_id"), eos_id=stops[0] if len(stops) == 1 else tuple(stops) or None,
+      rope_scaling=scaling, partial_rotary_factor=partial,
+      local_rope_theta=float(local_theta) if family == "gemma3" and local_theta else None,
+      sliding_windows=_windows(hf, family, layers), activation=ACTIVATIONS[act], norm_plus_one=gemma,
+      sandwich_norms=gemma, qk_norm=family in ("qwen3", "gemma3"), scale_embeddings=gemma,
+      query_scale=float(hf["query_pre_attn_scalar"]) if gemma else None,
+      attn_softcap=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
+      final_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None)
+
+
+class _Tensors:
+  """The tensors of a checkpoint's safetensors files, read one at a time (memory-mapped), by name."""
+
+  def __init__(self, path: pathlib.Path):
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    self.path, self.where, self.handles = path, {}, {}  # each file opened (memory-mapped) once
+    for f in files:
+      if not (path / f).is_file():
+        raise ValueError(f"{path}: missing weights file {f}")
+      try:
+        self.handles[path / f] = handle = safe_open(path / f, framework="numpy")
+        self.where.update({name: path / f for name in handle.keys()})
+      except SafetensorError as e:
+        raise ValueError(f"{path / f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    # The language model's tensors sit under a prefix: "model.", "language_model.model.", ...
+    self.prefix = next((n[:-len("embed_tokens.weight")] for n in self.where if n.endswith("embed_tokens.weight")),
+                       "model.")
+    self.head = next((n for n in self.where if n.endswith("lm_head.weight")), None)
+
+  def get(self, name: str, dtype) -> np.ndarray:
+    if name not in self.where:
+      raise ValueError(f"{self.path}: tensor {name} is missing from the safetensors files")
+    return self.handles[self.where[name]].get_tensor(name).astype(dtype, copy=False)
+
+
+def _layer_names(config: ModelConfig) -> dict[str, str]:
+  """jspec's name -> HF's for every per-layer weight but the fused ones of phi3."""
+  names = {"attn_norm": "input_layernorm"}
+  if config.sandwich_norms:  # Gemma: "post_attention" is the attention output's norm, not the MLP's input
+    names.update(post_attn_norm="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm",
+                 post_mlp_norm="post_feedforward_layernorm")
+  else:
+    names["mlp_norm"] = "post_attention_layernorm"
+  if config.qk_norm:
+    names.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+  return names
+
+
+def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None) -> Model:
+  """A Hugging Face model directory as a `Model`. Each tensor is read, cast to `dtype` and, with a `mesh`,
+  placed in its shards before the next is read: no second host copy of the model."""
+  path = pathlib.Path(path).absolute()
+  hf = json.loads((path / "config.json").read_text())
+  generation = path / "generation_config.json"
+  config = config_from_hf(hf, dtype, json.loads(generation.read_text()) if generation.is_file() else None)
+  tokenizer = load_tokenizer(path)
+  tensors = _Tensors(path)
+  np_dtype = np.dtype(config.jnp_dtype)
+  specs = None
+  if mesh is not None:
+    abstract = jax.eval_shape(lambda: model.init_params(config, jax.random.PRNGKey(0)))
+    specs = sharding.param_specs(abstract, config, mesh)
+
+  def place(x: np.ndarray, spec_path: tuple) -> jax.Array:
+    if specs is None:
+      return jnp.asarray(x)
+    spec = specs
+    for key in spec_path:
+      spec = spec[key]
+    return sharding.place(x, mesh, spec)
+
+  def take(name: str, transpose: bool) -> np.ndarray:
+    x = tensors.get(name, np_dtype)
+    return x.T if transpose else x  # HF stores matrices as [out, in]; jspec as [in, out]
+
+  layers = []
+  q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+  for i in range(config.n_layers):
+    pre = f"{tensors.prefix}layers.{i}."
+    layer = {ours: take(f"{pre}{theirs}.weight", False) for ours, theirs in _layer_names(config).items()}
+    if f"{pre}self_attn.qkv_proj.weight" in tensors.where:  # phi3: q | k | v rows, gate | up rows
+      qkv = take(f"{pre}self_attn.qkv_proj.weight", True)
+      layer.update(wq=qkv[:, :q], wk=qkv[:, q:q + kv], wv=qkv[:, q + kv:],
+                   wo=take(f"{pre}self_attn.o_proj.weight", True))
+      gate_up = take(f"{pre}mlp.gate_up_proj.weight", True)
+      layer.update(w_gate=gate_up[:, :config.mlp_dim], w_up=gate_up[:, config.mlp_dim:],
+                   w_down=take(f"{pre}mlp.down_proj.weight", True))
+    else:
+      layer.update({ours: take(f"{pre}{theirs}.weight", True) for ours, theirs in {**ATTENTION_NAMES,
+                                                                                    **MLP_NAMES}.items()})
+    if config.qkv_bias:
+      layer.update({ours: take(f"{pre}{theirs}.bias", False) for ours, theirs in BIAS_NAMES.items()})
+    layers.append({name: place(x, ("layers", i, name)) for name, x in layer.items()})
+  params: dict[str, Any] = dict(
+      embed=place(take(f"{tensors.prefix}embed_tokens.weight", False), ("embed",)), layers=layers,
+      final_norm=place(take(f"{tensors.prefix}norm.weight", False), ("final_norm",)))
+  if not config.tie_embeddings:
+    params["lm_head"] = place(take(tensors.head or "lm_head.weight", True), ("lm_head",))
+  return Model(config=config, params=params, tokenizer=tokenizer, chat_template=load_chat_template(path))
+
+
+def _llama_only(c: ModelConfig) -> None:
+  """A Hugging Face export is a Llama directory: refuse what Llama cannot say."""
+  features = dict(qkv_bias="a q/k/v bias", sandwich_norms="sandwich norms", qk_norm="q/k norms",
+                  scale_embeddings="scaled embeddings", sliding_windows="sliding windows",
+                  attn_softcap="soft-capping", final_softcap="soft-capping", local_rope_theta="local RoPE bases",
+                  query_scale="a query scale", norm_plus_one="(1 + w) norms")
+  for name, what in features.items():
+    if getattr(c, name):
+      raise ValueError(f"a Hugging Face export is a Llama directory, which has no {what}; this model has them")
+  if c.activation != "silu" or c.partial_rotary_factor != 1 or (c.rope_scaling and c.rope_scaling.type != "llama3"):
+    raise ValueError("a Hugging Face export is a Llama directory: SwiGLU, full RoPE, llama3 scaling at most")
+
+
+def save_hf(m: Model, path: str | pathlib.Path) -> None:
+  """Writes a jspec model as a Hugging Face Llama directory (`config.json`, `model.safetensors`,
+  `tokenizer.json`) that `transformers.AutoModelForCausalLM.from_pretrained` loads, in float32."""
+  c = m.config
+  _llama_only(c)
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  rope = {"rope_theta": c.rope_theta, "rope_scaling": None}
+  if c.rope_scaling is not None:
+    s = c.rope_scaling
+    rope["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                            "high_freq_factor": s.high_freq_factor,
+                            "original_max_position_embeddings": s.original_max_position_embeddings}
+  eos = list(c.stop_ids) if len(c.stop_ids) > 1 else c.eos_id
+  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+        "hidden_size": c.dim, "intermediate_size": c.mlp_dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, **rope,
+        "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": c.bos_id, "eos_token_id": eos, "torch_dtype": "float32"}
+  (path / "config.json").write_text(json.dumps(hf, indent=2))
+  f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
+  tensors = {"model.embed_tokens.weight": f32(m.params["embed"]), "model.norm.weight": f32(m.params["final_norm"])}
+  for i, layer in enumerate(m.params["layers"]):
+    for ours, theirs in {**_layer_names(c), **ATTENTION_NAMES, **MLP_NAMES}.items():
+      x = f32(layer[ours])
+      tensors[f"model.layers.{i}.{theirs}.weight"] = x if x.ndim == 1 else f32(x.T)
+  if not c.tie_embeddings:
+    tensors["lm_head.weight"] = f32(np.asarray(m.params["lm_head"]).T)
+  save_file(tensors, str(path / "model.safetensors"))
+  m.tokenizer.save(str(path / "tokenizer.json"))

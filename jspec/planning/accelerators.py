@@ -1,0 +1,198 @@
+"""jspec's programs compiled for accelerators that are not here: TPU topologies, from any machine.
+
+With `libtpu` installed (`pip install -e ".[tpu]"`), `jax.experimental.topologies` gives a topology's devices
+without owning them; the decode program, lowered with abstract weights sharded over a mesh of them, compiles
+for that hardware (Mosaic kernels included), and the executable says what XLA will allocate per device
+(`memory_analysis`) and how many FLOPs and bytes it moves (`cost_analysis`). The time estimates divide those
+by a chip's public peak figures (`CHIPS`): a roofline, not a measurement.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jspec.decoding import batches, loop, programs
+from jspec.decoding.decoder import Decoder
+from jspec.model import sharding
+from jspec.model.kernels import pallas_attention
+from jspec.planning import memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator chip's public figures."""
+  hbm_bytes: int
+  hbm_bytes_per_s: float
+  bf16_flops_per_s: float
+  source: str
+
+
+CHIPS = {
+    "v4": Chip(32 * 2 ** 30, 1200e9, 275e12, "https://cloud.google.com/tpu/docs/v4"),
+    "v5e": Chip(16 * 10 ** 9, 819e9, 197e12, "https://cloud.google.com/tpu/docs/v5e"),
+    "v5p": Chip(95 * 10 ** 9, 2765e9, 459e12, "https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip(32 * 10 ** 9, 1638e9, 918e12, "https://cloud.google.com/tpu/docs/v6e"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """`tpu:v5e:2x4`: a chip and a topology of it."""
+  chip_name: str
+  topology: str
+
+  @classmethod
+  def parse(cls, text: str) -> Target:
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] != "tpu" or parts[1] not in CHIPS or not all(
+        d.isdigit() and int(d) > 0 for d in parts[2].split("x")):
+      raise ValueError(f"--compile-for: expected tpu:CHIP:TOPOLOGY with CHIP one of {', '.join(CHIPS)} (e.g. "
+                       f"tpu:v5e:2x4), got {text!r}")
+    return cls(parts[1], parts[2])
+
+  @property
+  def chip(self) -> Chip:
+    return CHIPS[self.chip_name]
+
+  @property
+  def chips(self) -> int:
+    return math.prod(int(d) for d in self.topology.split("x"))
+
+  def per_device(self, devices: int) -> Chip:
+    """The chip's figures per device of a topology of `devices` devices (a v4 chip is two)."""
+    share = self.chips / devices
+    c = self.chip
+    return Chip(int(c.hbm_bytes * share), c.hbm_bytes_per_s * share, c.bf16_flops_per_s * share, c.source)
+
+  def devices(self) -> list:
+    """The topology's abstract devices (libtpu's); a missing libtpu is a one-line ValueError."""
+    try:
+      from jax.experimental import topologies
+      return list(topologies.get_topology_desc(f"{self.chip_name}:{self.topology}", platform="tpu").devices)
+    except Exception as e:  # no libtpu, or a topology it does not know: both say so in their message
+      raise ValueError(f"--compile-for tpu:{self.chip_name}:{self.topology}: no TPU compiler here ("
+                       f"{' '.join(str(e).split())[:160]}); install it with pip install -e \".[tpu]\"") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """What XLA says of one executable, per device."""
+  argument_bytes: int
+  temp_bytes: int
+  output_bytes: int
+  code_bytes: int
+  flops: float
+  bytes_accessed: float
+  alias_bytes: int = 0  # outputs that reuse a donated argument's buffer
+
+  @property
+  def total_bytes(self) -> int:
+    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes + self.code_bytes
+
+
+def compiled(lowered) -> Compiled:
+  executable = lowered.compile()
+  m = executable.memory_analysis()
+  cost = executable.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, list) else cost
+  return Compiled(int(m.argument_size_in_bytes), int(m.temp_size_in_bytes), int(m.output_size_in_bytes),
+                  int(m.generated_code_size_in_bytes), float(cost.get("flops", 0.0)),
+                  float(cost.get("bytes accessed", 0.0)), int(m.alias_size_in_bytes))
+
+
+def _shardings(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def started_state(decoder: Decoder, requests, capacity: int):
+  """The abstract state `decode.start` leaves for these placed requests, each leaf with the sharding the
+  compiled start gives it: what a step or a segment is compiled for on its own."""
+  start = lambda d, r: loop.start(d, r, capacity)
+  started = jax.jit(start, in_shardings=_shardings((decoder, requests))).lower(decoder, requests).compile()
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      jax.eval_shape(start, decoder, requests), started.output_shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The decode program compiled for a topology, and a roofline estimate of a plain step and a round;
+  with `serving`, the server's programs too (or why they cannot run there)."""
+  target: Target
+  devices: int
+  program: Compiled
+  plain_step_s: float
+  round_s: float
+  draft_len: int
+  attention: str  # what reads the caches: "Pallas TPU kernel" or "XLA loop"
+  server: dict[str, Compiled] | None = None  # "segment", "insert"
+
+  @property
+  def per_device(self) -> Chip:
+    return self.target.per_device(self.devices)
+
+  @property
+  def fits(self) -> bool:
+    return self.program.total_bytes <= self.per_device.hbm_bytes
+
+  @property
+  def round_cost(self) -> float:
+    """A round in plain steps: jspec's cost model for this hardware, from the compiler."""
+    return self.round_s / self.plain_step_s
+
+  def speedup(self, tau: float) -> float:
+    """The speedup a round that commits τ tokens on average would give (estimate)."""
+    return tau / self.round_cost
+
+
+def roofline_seconds(cost: Compiled, chip: Chip) -> float:
+  """The larger of memory time and compute time: what the chip cannot beat."""
+  return max(cost.bytes_accessed / chip.hbm_bytes_per_s, cost.flops / chip.bf16_flops_per_s)
+
+
+def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int, capacity: int,
+                mesh_spec: str | None = None, shard_draft: bool = True, round_decoder: Decoder | None = None,
+                serving: bool = False) -> Report:
+  """Compiles the decode program of `decoder` (abstract weights: `jspec.planning.shaped.shaped_decoder`) for
+  `target`'s devices, on `mesh_spec` (default: every device on the model axis), and estimates a plain step
+  and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
+  round would count every offered K's branch), each compiled on its own over the state a prefill leaves. XLA counts
+  a loop's body once: the drafter's chained steps inside a round count as one. With
+  `serving`, also the server's programs for `batch` slots (`compile_server`)."""
+  devices = target.devices()
+  mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
+  place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
+  program_decoder = place(decoder)
+  requests = sharding.place(memory.abstract_requests(program_decoder, batch, prompt_width, capacity), mesh)
+  program = compiled(programs.lower(program_decoder, requests))
+  placed = program_decoder if round_decoder is None else place(round_decoder)
+  state = started_state(placed, requests, capacity)
+  per_device = target.per_device(len(devices))
+  # The state donated, as the loop updates it in place: no copy of the caches into a fresh output counts.
+  step_time = lambda step: roofline_seconds(compiled(jax.jit(step, in_shardings=_shardings((placed, state)),
+                                                             donate_argnums=1).lower(placed, state)), per_device)
+  plain = step_time(loop.autoregressive_step)
+  spec_round = step_time(loop.speculative_step) if placed.drafter is not None else plain
+  kernel = pallas_attention.select_kernel(decoder.attention, "tpu")
+  report = Report(target, len(devices), program, plain, spec_round, placed.draft_len,
+                  "XLA loop" if kernel is None else "Pallas TPU kernel")
+  if not serving:
+    return report
+  return dataclasses.replace(report, server=compile_server(program_decoder, batch, prompt_width, capacity))
+
+
+def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: int) -> dict[str, Compiled]:
+  """The server's programs (`jspec.engine.engine.Engine`) for a decoder placed on a mesh: a segment of the loop
+  over every slot and the insert of a request of `prompt_width` tokens into a running state. The state
+  lives between calls (donated to each), so a segment's arguments hold it beside the weights."""
+  mesh = decoder.layout.mesh
+  idle = sharding.place(memory.abstract_requests(decoder, slots, batches.prompt_bucket(1), capacity), mesh)
+  state = started_state(decoder, idle, capacity)
+  one = sharding.place(memory.abstract_requests(decoder, 1, prompt_width, capacity), mesh)
+  scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+  return {"segment": compiled(programs.segment.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
+                                                     scalar(jnp.bool_, (slots,)), width=slots)),
+          "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)))}
