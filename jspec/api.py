@@ -19,7 +19,8 @@ from jspec.decoding import programs
 from jspec.decoding.batches import check_prompts, make_batch, seed_array
 from jspec.decoding.decoder import Decoder, make_decoder
 from jspec.drafters import Heads
-from jspec.engine.engine import SEGMENT_ROUNDS, STREAM_ROUNDS, Engine
+from jspec.engine.engine import Engine
+from jspec.engine.segments import SEGMENT_ROUNDS, STREAM_ROUNDS
 from jspec.engine.stream import Stream
 from jspec.model import sharding
 from jspec.model.model import Model

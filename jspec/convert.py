@@ -1,6 +1,6 @@
 """Checkpoint conversion.
 
-  python -m jspec.convert HF_DIR OUT_DIR            # a Hugging Face directory (jspec.model.hf.FAMILIES) -> jspec
+  python -m jspec.convert HF_DIR OUT_DIR            # a Hugging Face directory (jspec.model.hf_config.FAMILIES) -> jspec
   python -m jspec.convert --to-hf JSPEC_DIR OUT_DIR # a jspec checkpoint -> a Hugging Face Llama directory
   python -m jspec.convert --to speculators HEADS OUT_DIR --target TARGET
                                                     # jspec heads -> a published format (`jspec.formats.head_formats`)
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("out", help="output jspec checkpoint directory; with --to-hf, a Hugging Face directory; with --to, "
                   "the head directory to write")
   ap.add_argument("--to-hf", action="store_true", help="write a Hugging Face Llama directory (float32 safetensors)")
-  ap.add_argument("--to", choices=head_formats.FORMATS,
+  ap.add_argument("--to", choices=head_formats.formats(),
                   help="write heads in a published format: speculators (vLLM; EAGLE-3), eagle3 (the EAGLE "
                        "repository's, SGLang's), eagle (EAGLE-1 or EAGLE-3 as the EAGLE repository writes them), "
                        "medusa (vLLM's layout)")

@@ -90,7 +90,7 @@ def random_draft(kind: str, target: Model, seed: int = 1, heads: int = 5, scale:
 def random_eagle3(target: Model, seed: int = 1, scale: float = 0.5, draft_vocab: int | None = None) -> drafters.Heads:
   """A random EAGLE-3 head for `target`: it reads the default low, middle and high layers, and drafts over
   `draft_vocab` tokens (default: all) chosen at random."""
-  layers = drafters.eagle.default_feature_layers(target.config.n_layers)
+  layers = drafters.eagle_formats.default_feature_layers(target.config.n_layers)
   drafter = drafters.EagleDrafter.for_target(target.config, feature_layers=layers, draft_vocab=draft_vocab)
   counts = np.random.default_rng(seed).permutation(target.config.vocab_size)
   _, frozen = drafter.training_init(jax.random.PRNGKey(seed), target.params, counts)

@@ -23,7 +23,7 @@ import jspec  # noqa: E402
 from jspec import convert, testing  # noqa: E402
 from jspec.decoding.decoder import make_decoder  # noqa: E402
 from jspec.formats.checkpoint import save  # noqa: E402
-from jspec.model import hf, model  # noqa: E402
+from jspec.model import hf, hf_config, model  # noqa: E402
 from jspec.text.tokenizer import byte_tokenizer, encode  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every family against transformers
@@ -138,7 +138,7 @@ def test_family_matches_transformers(tmp_path, family):
 def test_transformers_4_config_keys_read_the_same(tmp_path, family):
   """The same model described with transformers 4's keys: `rope_theta`, `rope_scaling` with `type`, and
   Gemma 3's `rope_local_base_freq` and `sliding_window_pattern`."""
-  cfg = hf.config_from_hf(json.loads((make_hf(tmp_path, family)[1] / "config.json").read_text()))
+  cfg = hf_config.config_from_hf(json.loads((make_hf(tmp_path, family)[1] / "config.json").read_text()))
   old = json.loads((tmp_path / f"{family}-0" / "config.json").read_text())
   rope = old.pop("rope_parameters")
   if family == "gemma3":
@@ -147,7 +147,7 @@ def test_transformers_4_config_keys_read_the_same(tmp_path, family):
     old.update(rope_local_base_freq=local["rope_theta"], sliding_window_pattern=2)
   old["rope_theta"] = rope.pop("rope_theta")
   old["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
-  assert hf.config_from_hf(old) == cfg
+  assert hf_config.config_from_hf(old) == cfg
 
 
 def test_gemma3_multimodal_directory_reads_its_language_model(tmp_path):

@@ -278,7 +278,7 @@ def test_streams_keep_moving_while_a_long_prompt_goes_in_chunks(pair):
   engine.add(Request(prompts["long"], 30), "long")
   chunk_steps = 0
   while engine.has_work:
-    prefilling = "long" in {run.id for run, _ in engine._prefilling.values()}
+    prefilling = "long" in {run.id for run in engine._prefilling.runs().values()}
     deltas = engine.step()
     collect(deltas)
     if prefilling and "long" not in out:

@@ -36,12 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.core.settings import SpecConfig, TreeConfig
-from jspec.drafters import losses
+from jspec.drafters import eagle_formats, losses
 from jspec.drafters.base import (
   DraftContext,
   Drafter,
   DraftWeights,
   Features,
+  Heads,
   Proposal,
   TreeProposal,
   check_heads_fit,
@@ -49,6 +50,8 @@ from jspec.drafters.base import (
   dynamic_tree_shape,
   onto_vocab,
 )
+from jspec.drafters.eagle_formats import default_feature_layers
+from jspec.drafters.published import Found, HeadTensors
 from jspec.model import cache as kvcache
 from jspec.model import model
 from jspec.model.config import ModelConfig
@@ -62,13 +65,6 @@ class EagleState:
 
 
 TTT_DECAY = 0.8  # EAGLE-3's weight of unrolled step j's loss: 0.8^j
-
-
-def default_feature_layers(n_layers: int) -> tuple[int, ...]:
-  """EAGLE-3's low, middle and high layers of an n-layer target (0-based: the residual after each), as the
-  EAGLE-3 implementations choose them: 1, n/2 - 1, n - 4 (distinct, within the target)."""
-  picks = [min(max(i, 0), n_layers - 1) for i in (1, n_layers // 2 - 1, n_layers - 4)]
-  return tuple(sorted(set(picks)))
 
 
 def unrolled_attention(q_BxSxHxDh: jax.Array, keys: list[jax.Array], values: list[jax.Array],
@@ -137,6 +133,19 @@ class EagleDrafter(Drafter):
             "norm_before_residual": self.norm_before_residual, "extra_norms": self.extra_norms,
             "own_embed": self.own_embed}
 
+  published_formats = eagle_formats.FORMATS
+
+  @classmethod
+  def detect_published(cls, path, config: dict) -> Found | None:
+    return eagle_formats.detect(path, config)
+
+  @classmethod
+  def read_published(cls, found: Found, tensors: HeadTensors, dtype: str) -> Heads:
+    return eagle_formats.read(cls, found, tensors, dtype)
+
+  def write_published(self, heads: Heads, fmt: str, target, verifier: str) -> tuple[dict, dict]:
+    return eagle_formats.write(heads, fmt, target, verifier)
+
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> EagleDrafter:
     if "extra_norms" not in metadata:
@@ -144,20 +153,6 @@ class EagleDrafter(Drafter):
     return cls(config, tuple(int(i) for i in metadata["feature_layers"]), int(metadata["draft_vocab"]),
                bool(metadata["fc_bias"]), bool(metadata["norm_before_residual"]), bool(metadata["extra_norms"]),
                bool(metadata["own_embed"]))
-
-  @classmethod
-  def training_options(cls, flags: Any) -> dict:
-    """`--feature-layers`: eagle3 (the default layers, trained on its own predictions for `--ttt-steps`),
-    last (EAGLE-1, with its feature regression), or the layers to fuse; `--draft-vocab`: EAGLE-3's vocabulary
-    (the training data's most frequent tokens; 0: the target's)."""
-    if flags.feature_layers == "last":
-      return {"feature_weight": 1.0, "feature_noise": 0.2}
-    try:
-      layers = "eagle3" if flags.feature_layers == "eagle3" else [int(i) for i in flags.feature_layers.split(",")]
-    except ValueError:
-      raise ValueError(f"--feature-layers: expected eagle3, last or layers such as 1,4,6, got "
-                       f"{flags.feature_layers!r}") from None
-    return {"feature_layers": layers, "ttt_steps": flags.ttt_steps, "draft_vocab": flags.draft_vocab}
 
   @classmethod
   def for_training(cls, target_config: ModelConfig, options: dict) -> EagleDrafter:

@@ -13,24 +13,25 @@ the LM head; with LM heads of their own, `lm_head [own_heads, D, V]`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jspec.core.settings import SpecConfig, TreeConfig
-from jspec.drafters import losses
+from jspec.drafters import losses, medusa_formats
 from jspec.drafters.base import (
   DraftContext,
   Drafter,
   DraftWeights,
   Features,
+  Heads,
   Proposal,
   TreeProposal,
   check_heads_fit,
   draw_path,
 )
+from jspec.drafters.published import Found, HeadTensors
 from jspec.model import model
 from jspec.model.config import ModelConfig
 from jspec.speculation import tree
@@ -69,15 +70,24 @@ class MedusaDrafter(Drafter):
   def metadata(self) -> dict:
     return {"num_heads": self.num_heads, "num_layers": self.num_layers, "own_heads": self.own_heads}
 
+  published_formats = medusa_formats.FORMATS
+
+  @classmethod
+  def detect_published(cls, path, config: dict) -> Found | None:
+    return medusa_formats.detect(path, config)
+
+  @classmethod
+  def read_published(cls, found: Found, tensors: HeadTensors, dtype: str) -> Heads:
+    return medusa_formats.read(cls, found, tensors, dtype)
+
+  def write_published(self, heads: Heads, fmt: str, target, verifier: str) -> tuple[dict, dict]:
+    return medusa_formats.write(heads, fmt, target, verifier)
+
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> MedusaDrafter:
     if "num_layers" not in metadata:
       raise ValueError("Medusa heads in an earlier jspec layout: train them again")
     return cls(config, int(metadata["num_heads"]), int(metadata["num_layers"]), int(metadata["own_heads"]))
-
-  @classmethod
-  def training_options(cls, flags: Any) -> dict:
-    return {"num_heads": flags.num_heads}
 
   @classmethod
   def for_training(cls, target_config: ModelConfig, options: dict) -> MedusaDrafter:

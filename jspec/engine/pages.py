@@ -1,14 +1,22 @@
 """The host's side of a paged KV cache (`jspec.model.cache`): which pages of the pool are free, which each slot
 holds, the page table the device reads, and the prefix cache.
 
+The engine's pool holds the pages that the memory budget sizes, shared by its slots. A request is admitted
+when pages for its prompt and a segment's tokens are free; before each segment every running row is given
+the pages it may write into during it; when the pool runs out the youngest request is preempted (its pages
+freed, it waits at the head of the queue, and later resumes from its prompt and the tokens it has emitted,
+recomputed), as vLLM does.
+
 Page `NULL_PAGE` is scratch: every table entry of an idle slot, and of a slot's pages not yet given, points
 at it, so what an idle row writes lands where nothing is read. A slot is given pages before it writes into
 them (`grow`, ahead of each segment), so a running row reads only its own, or shared ones it never writes.
 
 Prefix caching (as vLLM's): a full page whose tokens are final is registered under the hash of every
 token up to its end (`page_hashes`); a new request shares the pages of its longest registered prefix
-(`share`) and prefills only the rest. Pages count their holders; a registered page no slot holds stays
-cached until a page is needed and none is free, then the least recently used goes.
+(`share`) and prefills only the rest (a page keyed with the tokens after it that a drafter's cache reads
+there: `Drafter.prefix_lookahead`); one whose prompt shares more with a request being prefilled waits a step
+for those pages (the `n` choices of a prompt prefill it once). Pages count their holders; a registered page
+no slot holds stays cached until a page is needed and none is free, then the least recently used goes.
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ from collections.abc import Hashable, Sequence
 from jspec.core.settings import SamplingConfig
 from jspec.decoding.batches import GREEDY
 from jspec.engine.text import TextOutput
-from jspec.speculation.logprobs import TokenLogprob
-from jspec.speculation.stats import RequestStats
+from jspec.speculation import logprobs
+from jspec.speculation.logprobs import Logprobs, TokenLogprob
+from jspec.speculation.stats import DecodeStats, RequestStats
 from jspec.text import automaton, constraints
 from jspec.text.constraints import Constraint
 
@@ -85,3 +86,25 @@ class Running:
     request = dataclasses.replace(req, prompt_ids=[*req.prompt_ids, *self.emitted],
                                   max_new_tokens=req.max_new_tokens - len(self.emitted), prompt_logprobs=None)
     return dataclasses.replace(self, request=request, tables=tables, emitted=[], rounds=0, unread_rounds=0)
+
+  def advance(self, row: int, new_ids: list[int], done: bool, scores: Logprobs | None,
+              stats: DecodeStats | None) -> Delta | None:
+    """Its delta for the tokens a segment committed in its row (`scores`: the segment's log-probabilities
+    from where its tokens began), or None when it has none and goes on; a finished one (a stop string, a stop
+    token, or its length) is its last."""
+    self.emitted.extend(new_ids)
+    text, stopped = self.text.push(new_ids, final=done)
+    top = self.request.logprobs
+    scored = None if top is None else logprobs.read(scores, row, 0, new_ids, top)
+    if stopped or done:
+      reason = "stop" if stopped or (new_ids and new_ids[-1] in self.stop_ids) else "length"
+      return self.finish(row, text, new_ids, reason, scored, stats)
+    if new_ids:
+      return Delta(self.id, text, new_ids, logprobs=scored, prompt_logprobs=self.take_prompt_logprobs())
+    return None
+
+  def finish(self, row: int, text: str, new_ids: list[int], reason: str, scored: list[TokenLogprob] | None,
+             stats: DecodeStats | None) -> Delta:
+    """Its last delta, with its statistics (from the loop's, `stats`, for its row)."""
+    request_stats = None if stats is None else RequestStats.of_row(stats, row, self.sent)
+    return Delta(self.id, text, new_ids, True, request_stats, reason, scored, self.take_prompt_logprobs())

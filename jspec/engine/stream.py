@@ -6,8 +6,9 @@ from collections.abc import Iterator, Sequence
 
 from jspec.core.settings import SamplingConfig
 from jspec.decoding.decoder import Decoder
-from jspec.engine.engine import SEGMENT_ROUNDS, Engine
+from jspec.engine.engine import Engine
 from jspec.engine.requests import Delta, Request
+from jspec.engine.segments import SEGMENT_ROUNDS
 from jspec.speculation.stats import Stats
 from jspec.text.constraints import Constraint
 

@@ -11,14 +11,14 @@ from jspec.core import registry, shipped
 from jspec.core.settings import DTYPES
 from jspec.drafters import Heads
 from jspec.formats import checkpoint, head_formats
-from jspec.model import hf, model
+from jspec.model import hf, hf_config, model
 from jspec.model.config import default_dtype
 from jspec.model.model import Model
 from jspec.text import tokenizer
 
 
 def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model | Heads:
-  """A model (a jspec checkpoint, a Hugging Face model directory of a family in `jspec.model.hf.FAMILIES`, or a
+  """A model (a jspec checkpoint, a Hugging Face model directory of a family in `jspec.model.hf_config.FAMILIES`, or a
   shipped pair's name such as "code" for its target), or Medusa/EAGLE heads (`Heads`): jspec's own, or
   published ones in a format of `jspec.formats.head_formats` (EAGLE, EAGLE-3, speculators, Medusa).
 
@@ -67,7 +67,7 @@ def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | H
     drafter = registry.drafter_class(fields["kind"]).from_metadata(heads_config, fields)
     return Heads(drafter, jax.eval_shape(drafter.init_params, init))
   try:
-    config = (hf.config_from_hf(fields, dtype) if "model_type" in fields
+    config = (hf_config.config_from_hf(fields, dtype) if "model_type" in fields
               else checkpoint.parse_config(fields, dtype, path))
   except KeyError as e:
     raise ValueError(f"{path}: config without {e}") from None

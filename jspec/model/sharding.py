@@ -213,3 +213,12 @@ def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh) -> Any:
   abstract = jax.eval_shape(lambda k: model.init_params(config, k), key)
   shardings = named(mesh, param_specs(abstract, config, mesh))
   return jax.jit(lambda k: model.init_params(config, k), out_shardings=shardings)(key)
+
+
+def resharded(args: tuple, shardings: tuple) -> tuple:
+  """`args` placed as an executable takes them (`input_shardings`, None for an argument it does not read):
+  only the arrays placed otherwise move, and host values become global arrays, on every process."""
+  leaves, treedef = jax.tree.flatten(args)
+  wanted = treedef.flatten_up_to(shardings)
+  return jax.tree.unflatten(treedef, [x if s is None or getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                                      for x, s in zip(leaves, wanted)])

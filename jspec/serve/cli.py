@@ -15,7 +15,7 @@ import threading
 
 import jspec
 from jspec import flags
-from jspec.engine.engine import SEGMENT_ROUNDS, STREAM_ROUNDS
+from jspec.engine.segments import SEGMENT_ROUNDS, STREAM_ROUNDS
 from jspec.speculation import logprobs
 
 EXAMPLES = """examples:

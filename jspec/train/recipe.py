@@ -206,7 +206,23 @@ def task_for(args: argparse.Namespace, target, token_counts: np.ndarray | None =
     fields = {**fields, "vocab_size": target.config.vocab_size, "eos_id": target.config.eos_id,
               "bos_id": target.config.bos_id}
     return trainer.model_task(fields, tok, teacher=target, ce_weight=0.1)
-  return trainer.heads_task(target, args.kind, cls.training_options(args), tok, token_counts)
+  return trainer.heads_task(target, args.kind, heads_options(args), tok, token_counts)
+
+
+def heads_options(args: argparse.Namespace) -> dict:
+  """The heads' training options (a training config's `heads`, which the drafter's `for_training` and `loss`
+  read) from the flags. Medusa: `--num-heads`. EAGLE: `--feature-layers` eagle3 (the default layers, trained
+  on its own predictions for `--ttt-steps`), last (EAGLE-1, with its feature regression), or the layers to
+  fuse; `--draft-vocab`: EAGLE-3's vocabulary (the training data's most frequent tokens; 0: the target's)."""
+  options = {"num_heads": args.num_heads}
+  if args.feature_layers == "last":
+    return {**options, "feature_weight": 1.0, "feature_noise": 0.2}
+  try:
+    layers = "eagle3" if args.feature_layers == "eagle3" else [int(i) for i in args.feature_layers.split(",")]
+  except ValueError:
+    raise ValueError(f"--feature-layers: expected eagle3, last or layers such as 1,4,6, got "
+                     f"{args.feature_layers!r}") from None
+  return {**options, "feature_layers": layers, "ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab}
 
 
 def warm_started(task, directory: str):

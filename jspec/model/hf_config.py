@@ -1,0 +1,119 @@
+"""What a Hugging Face `config.json` says, in jspec's terms: the families jspec reads, their configs as a
+`ModelConfig` (`config_from_hf`), and the module names of a decoder layer's weights. Reading and writing whole
+directories (weights, tokenizer) is `jspec.model.hf`'s."""
+from __future__ import annotations
+
+from jspec.model.config import ModelConfig, RopeScaling
+
+FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# What a Gemma 3 text config leaves out means transformers' defaults (Hub files of the multimodal models
+# give only a few fields of `text_config`).
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                            query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                            sliding_window=4096, sliding_window_pattern=6, rms_norm_eps=1e-6,
+                            max_position_embeddings=131072, hidden_activation="gelu_pytorch_tanh")
+# jspec's name for each per-layer weight -> the Hugging Face module that holds it (`...layers.{i}.`).
+ATTENTION_NAMES = dict(wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj", wo="self_attn.o_proj")
+MLP_NAMES = dict(w_gate="mlp.gate_proj", w_up="mlp.up_proj", w_down="mlp.down_proj")
+BIAS_NAMES = dict(bq="self_attn.q_proj", bk="self_attn.k_proj", bv="self_attn.v_proj")
+
+
+def _text_config(hf: dict) -> dict:
+  """The language model's config: a Gemma 3 multimodal wrapper's `text_config`, with defaults filled in."""
+  if hf.get("model_type") == "gemma3":
+    hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+  if hf.get("model_type") == "gemma3_text":
+    hf = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+  return hf
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None, float | None, float]:
+  """(theta, scaling, the local layers' theta, partial rotary factor) from either generation of keys."""
+  params = hf.get("rope_parameters") or {}
+  local = None
+  if "full_attention" in params:  # transformers 5, per layer type (Gemma 3)
+    local = params.get("sliding_attention", {}).get("rope_theta")
+    params = params["full_attention"]
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  local = local if local is not None else hf.get("rope_local_base_freq")
+  scaling = hf.get("rope_scaling") or params
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  partial = float(hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+  if kind == "default":
+    return theta, None, local, partial
+  if kind == "longrope":
+    raise ValueError("unsupported: rope_scaling.rope_type 'longrope' (Phi-3 long-context variants); jspec reads "
+                     "linear, dynamic, llama3 and yarn")
+  max_pos = hf.get("max_position_embeddings")
+  original = scaling.get("original_max_position_embeddings") or max_pos
+  factor = scaling.get("factor") or max_pos / original
+  try:
+    return theta, RopeScaling(
+        type=kind, factor=float(factor), original_max_position_embeddings=original, max_position_embeddings=max_pos,
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
+        attention_factor=scaling.get("attention_factor"), mscale=scaling.get("mscale"),
+        mscale_all_dim=scaling.get("mscale_all_dim"), truncate=bool(scaling.get("truncate", True))), local, partial
+  except ValueError as e:
+    raise ValueError(f"rope_scaling: {e}") from None
+
+
+def _windows(hf: dict, family: str, layers: int) -> tuple[int, ...]:
+  """Each layer's sliding window (0: full attention)."""
+  window = hf.get("sliding_window") or 0
+  if not window or (family.startswith("qwen") and hf.get("use_sliding_window") is False):
+    return ()
+  types = hf.get("layer_types")
+  if types is None:
+    if family in ("mistral", "phi3"):
+      return (window,) * layers
+    if family == "gemma2":
+      types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    elif family == "gemma3":
+      pattern = hf.get("sliding_window_pattern", 6)
+      types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    else:  # qwen2, qwen3
+      start = hf.get("max_window_layers", layers)
+      types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+  windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+  return windows if any(windows) else ()
+
+
+def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = None) -> ModelConfig:
+  """A `ModelConfig` from a Hugging Face `config.json` (and `generation_config.json`)."""
+  hf = _text_config(hf)
+  family = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
+  if family not in FAMILIES:
+    raise ValueError(f"unsupported model_type {hf.get('model_type')!r}: jspec reads {', '.join(FAMILIES)}")
+  act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+  if act not in ACTIVATIONS:
+    raise ValueError(f"unsupported hidden_act {act!r}: jspec reads {', '.join(ACTIVATIONS)}")
+  if hf.get("mlp_bias") or (hf.get("attention_bias") and family != "qwen2"):
+    raise ValueError("unsupported: attention_bias or mlp_bias (qwen2's q/k/v bias is supported)")
+  gemma = family.startswith("gemma")
+  theta, scaling, local_theta, partial = _rope(hf)
+  heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+  context = hf.get("max_position_embeddings", 4096)
+  if scaling is not None and scaling.type in ("linear", "dynamic", "yarn"):  # they stretch the context
+    context = max(context, int((scaling.original_max_position_embeddings or context) * scaling.factor))
+  stops = []
+  for source in (hf, generation or {}):
+    ids = source.get("eos_token_id")
+    stops += [i for i in (ids if isinstance(ids, list) else [ids]) if i is not None and i not in stops]
+  return ModelConfig(
+      vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=layers, n_heads=heads,
+      n_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
+      rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qkv_bias=family == "qwen2" or bool(hf.get("attention_bias")),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)), max_seq_len=context, dtype=dtype,
+      bos_id=hf.get("bos_token_id"), eos_id=stops[0] if len(stops) == 1 else tuple(stops) or None,
+      rope_scaling=scaling, partial_rotary_factor=partial,
+      local_rope_theta=float(local_theta) if family == "gemma3" and local_theta else None,
+      sliding_windows=_windows(hf, family, layers), activation=ACTIVATIONS[act], norm_plus_one=gemma,
+      sandwich_norms=gemma, qk_norm=family in ("qwen3", "gemma3"), scale_embeddings=gemma,
+      query_scale=float(hf["query_pre_attn_scalar"]) if gemma else None,
+      attn_softcap=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
+      final_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None)
