@@ -181,18 +181,18 @@ def generate(target: Model, prompts: str | Sequence[str | Sequence[int]], *, log
   sampling = _sampling(o)
   prompt_ids, decoder = _prepare(target, prompts, o, None, sampling)
   tables = _constraint_tables(target, o.constraint, len(prompt_ids), o.ignore_eos)
-  requests = make_batch(decoder, prompt_ids, o.max_new_tokens, sampling=sampling, seed=o.seed,
+  batch = make_batch(decoder, prompt_ids, o.max_new_tokens, sampling=sampling, seed=o.seed,
                         ignore_eos=o.ignore_eos, constraints=tables,
                         logprobs=None if logprobs is None else [True] * len(prompt_ids),
                         top_logprobs=max(logprobs or 0, 1))
-  width = requests.prompts_BxP.shape[1]
+  width = batch.prompts_BxP.shape[1]
   memory.check(decoder, len(prompt_ids), width + o.max_new_tokens, width, o.mesh, o.shard_draft)
   if o.mesh is not None:
     decoder = sharding.place_decoder(o.mesh, decoder, len(prompt_ids), o.shard_draft)
-    requests = sharding.place(requests, o.mesh)
-  executable, compile_seconds = programs.compiled_run(decoder, requests)
+    batch = sharding.place(batch, o.mesh)
+  executable, compile_seconds = programs.compiled_run(decoder, batch)
   start = time.perf_counter()
-  decoded = jax.block_until_ready(executable(decoder, requests))
+  decoded = jax.block_until_ready(executable(decoder, batch))
   wall = time.perf_counter() - start
 
   tokens, seq_lens, stats, scored = programs.fetch(decoded)

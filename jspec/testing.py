@@ -146,6 +146,7 @@ _forward_full = jax.jit(model.forward_full, static_argnums=(2, 3))
 
 # Cached attention cases (`attention_case`): ragged rows of S new queries over a 384-slot cache (3 blocks),
 # grouped-query heads; a prefill of 600 queries a row spans several of a kernel's query tiles.
+ATTENTION_HEAD_DIM = 16  # the head dim of every `ATTENTION_CASES` entry
 ATTENTION_CASES = {
     "chain": dict(),
     "step": dict(seq=1, lengths=(0, 383)),
@@ -178,7 +179,7 @@ def attention_case(kernel, dtype, seq=3, heads=4, kv_heads=2, lengths=(5, 200), 
   `kernel` (None: the reference), in fp32. The inputs are drawn in fp32 and cast to `dtype`. `paged`: the
   same cache as a pool of pages in a shuffled order, read through a page table."""
   from jspec.model import attention
-  batch, head_dim, capacity = len(lengths), 16, 384
+  batch, head_dim, capacity = len(lengths), ATTENTION_HEAD_DIM, 384
   kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
   q = jax.random.normal(kq, (batch, seq, heads, head_dim)).astype(dtype)
   k = jax.random.normal(kk, (batch * kv_heads, capacity, head_dim)).astype(dtype)

@@ -73,15 +73,15 @@ def collectives(mesh, mode):
   """all-reduce / all-gather counts in the while bodies of the loop `runs` compiled for the mesh: "ar", or
   speculative with a "sharded" or "replicated" draft (the same executables: nothing compiles again)."""
   decoder = make_decoder(target, *((None, None) if mode == "ar" else (draft, FIXED)), batch=8)
-  requests = make_batch(decoder, prompts, 12)
+  batch = make_batch(decoder, prompts, 12)
   decoder = sharding.place_decoder(mesh, decoder, 8, shard_draft=mode != "replicated")
-  requests = sharding.place(requests, mesh)
-  compiled, seconds = programs.compiled_run(decoder, requests)
+  batch = sharding.place(batch, mesh)
+  compiled, seconds = programs.compiled_run(decoder, batch)
   assert seconds == 0.0, f"{mode}: not the executable generate compiled"
   text = compiled.as_text()
   explicit = (all(s.is_fully_replicated for s in jax.tree.leaves(compiled.output_shardings))
               and jax.tree.leaves(compiled.input_shardings[0])
-              == [x.sharding for x in jax.tree.leaves((decoder, requests))])
+              == [x.sharding for x in jax.tree.leaves((decoder, batch))])
   return {**testing.loop_collectives(text), "drafter": testing.loop_collectives(text, "drafter"),
           "explicit_shardings": explicit}
 

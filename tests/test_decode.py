@@ -113,8 +113,8 @@ def test_requests_stop_each_row_at_its_own_tokens(pair):
   assert make_batch(decoder, [[1]], 4, ignore_eos=True).stop_BxE.tolist() == [[-1]]
   plain = jspec.generate(target, [[1, 2], [3]], max_new_tokens=8).token_ids
   stops = [plain[0][2], plain[1][4]]  # each row's third and fifth token
-  requests = make_batch(decoder, [[1, 2], [3]], 8, stop_ids=[[s] for s in stops])
-  r = loop.run(decoder, loop.start(decoder, requests))
+  batch = make_batch(decoder, [[1, 2], [3]], 8, stop_ids=[[s] for s in stops])
+  r = loop.run(decoder, loop.start(decoder, batch))
   lens = (r.seq_lens_B - r.prompt_lens_B).tolist()
   assert lens[0] == plain[0].index(stops[0]) + 1 and lens[1] == plain[1].index(stops[1]) + 1
 
@@ -135,7 +135,7 @@ def test_a_sampling_object_is_the_keywords_and_may_differ_per_prompt(pair):
 
 
 def test_chex_max_traces_on_the_pure_loop(pair):
-  """The pure entry point under a user's own jit: one trace for many requests of one shape."""
+  """The pure entry point under a user's own jit: one trace for many batch of one shape."""
   import chex
   import jax.numpy as jnp
 
@@ -147,9 +147,9 @@ def test_chex_max_traces_on_the_pure_loop(pair):
   @jax.jit
   @chex.assert_max_traces(n=1)
   def run(decoder, prompts, lens, temperature, seeds):
-    requests = template.replace(prompts_BxP=prompts, prompt_lens_B=lens, seeds_B=seeds,
+    batch = template.replace(prompts_BxP=prompts, prompt_lens_B=lens, seeds_B=seeds,
                                 sampling=template.sampling.replace(temperature=jnp.full((2,), temperature)))
-    return loop.run(decoder, loop.start(decoder, requests)).tokens_BxT
+    return loop.run(decoder, loop.start(decoder, batch)).tokens_BxT
 
   for i in range(3):
     prompts = np.random.default_rng(i).integers(0, 256, size=(2, 16)).astype(np.int32)

@@ -67,24 +67,24 @@ def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
 def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
   prefill of the accepted text, including rows rejected in the middle of their draft."""
-  draft_len, batch, width = 4, 16, 16
+  draft_len, rows, width = 4, 16, 16
   draft = testing.random_eagle3(target) if kind == "eagle3" else make_draft(kind, target)
   spec = SpecConfig(draft_len, drafter=kind.rstrip("3"), adaptive=None)
-  decoder = make_decoder(target, draft, spec, batch)
-  ps = prompts(batch, seed=2)
-  requests = make_batch(decoder, ps, 64, width=width)
-  keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
+  decoder = make_decoder(target, draft, spec, rows)
+  ps = prompts(rows, seed=2)
+  batch = make_batch(decoder, ps, 64, width=width)
+  keys = jnp.zeros((draft_len, rows, 2), jnp.uint32)
 
   @jax.jit
   def fresh(tokens_BxP, lens_B):
-    return loop.start(decoder, requests.replace(prompts_BxP=tokens_BxP, prompt_lens_B=lens_B))
+    return loop.start(decoder, batch.replace(prompts_BxP=tokens_BxP, prompt_lens_B=lens_B))
 
   @jax.jit
   def proposal(state):
     return decoder.drafter.propose(decoder.weights, state.drafter_state, state.context, keys)[1].logits_BxKxV
 
   step = jax.jit(lambda s: loop.speculative_step(decoder, s))
-  state = fresh(requests.prompts_BxP, requests.prompt_lens_B)
+  state = fresh(batch.prompts_BxP, batch.prompt_lens_B)
   mid_rejections = 0
   for _ in range(6):
     before = state.seq_lens_B

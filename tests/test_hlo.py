@@ -19,7 +19,7 @@ CONFIG = testing.NO_EOS
 DRAFT = dataclasses.replace(testing.TINY_DRAFT, eos_id=None)
 
 
-def _decoder_and_requests(batch, kind, capacity=512):
+def _decoder_and_batch(batch, kind, capacity=512):
   target = testing.random_model(CONFIG)
   draft = testing.random_model(DRAFT, seed=1)
   medusa = testing.random_heads(drafters.MedusaDrafter(CONFIG, 3))
@@ -51,7 +51,7 @@ def as_users_compile(lowered) -> str:
 
 
 def _hlo(batch, kind, capacity=512):
-  return as_users_compile(programs.lower(*_decoder_and_requests(batch, kind, capacity)))
+  return as_users_compile(programs.lower(*_decoder_and_batch(batch, kind, capacity)))
 
 
 # Each way a loop writes a cache: a row's in-place update (a few rows) or one scatter (many), the adaptive
@@ -72,12 +72,12 @@ def test_constraint_tables_are_not_copied_in_the_loop():
   """Each row's automaton tables ride in the loop state like a cache: read by gathers, never copied."""
   import jspec
   from jspec.text import constraints
-  decoder, _ = _decoder_and_requests(4, "model-adaptive")
+  decoder, _ = _decoder_and_batch(4, "model-adaptive")
   vocabulary = constraints.Vocabulary.of(testing.random_model(CONFIG).tokenizer, [256], CONFIG.vocab_size)
   tables = constraints.compile(jspec.Regex("[a-z]{1,40}"), vocabulary)
-  requests = make_batch(decoder, [[0, 0, 0]] * 4, 8, capacity_slots=512, constraints=[tables] * 4,
+  batch = make_batch(decoder, [[0, 0, 0]] * 4, 8, capacity_slots=512, constraints=[tables] * 4,
                            constraint_shape=(128, 24))
-  text = as_users_compile(programs.lower(decoder, requests))
+  text = as_users_compile(programs.lower(decoder, batch))
   assert testing.loop_cache_copies(text, 4 * 128 * 24) == []
 
 
@@ -86,15 +86,15 @@ def test_segments_update_the_donated_state_in_place():
   writes into the donated state's buffers."""
   import jax.numpy as jnp
 
-  capacity, batch = 512, 4
-  decoder, requests = _decoder_and_requests(batch, "model", capacity)
-  state = programs.start(decoder, requests)
-  for width in (batch, 2):  # the whole batch, and the narrower program a few busy rows run
+  capacity, rows = 512, 4
+  decoder, batch = _decoder_and_batch(rows, "model", capacity)
+  state = programs.start(decoder, batch)
+  for width in (rows, 2):  # every row, and the narrower program a few busy rows run
     segment = as_users_compile(programs.segment.lower(decoder, state, jnp.int32(8), jnp.asarray(True),
-                                                      jnp.zeros(batch, bool), width=width))
+                                                      jnp.zeros(rows, bool), width=width))
     for config in (CONFIG, DRAFT):
       assert testing.loop_cache_copies(segment, width * config.n_kv_heads * capacity * config.head_dim) == []
-  one = jax.tree.map(lambda x: x[:1], requests)
+  one = jax.tree.map(lambda x: x[:1], batch)
   insert = as_users_compile(programs.insert.lower(decoder, state, one, jnp.int32(2)))
   assert "input_output_alias" in insert.splitlines()[0]
 

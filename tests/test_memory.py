@@ -75,9 +75,9 @@ def test_the_plan_counts_what_decoding_allocates():
   """The state a real decode starts from holds exactly the plan's caches."""
   target, draft = testing.random_pair()
   decoder = make_decoder(target, draft, None, 3)
-  requests = batches.make_batch(decoder, [[1, 2], [3], [4, 5, 6]], 40)
-  state = loop.init_state(decoder, requests)
-  u = memory.usage(decoder, 3, requests.prompts_BxP.shape[1], requests.capacity)
+  batch = batches.make_batch(decoder, [[1, 2], [3], [4, 5, 6]], 40)
+  state = loop.init_state(decoder, batch)
+  u = memory.usage(decoder, 3, batch.prompts_BxP.shape[1], batch.capacity)
   assert u.kv_cache_bytes == memory.nbytes(state.target_cache)
   assert u.draft_kv_cache_bytes == memory.nbytes(state.drafter_state)
   assert u.weights_bytes == memory.nbytes(decoder.target_params)

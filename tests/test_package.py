@@ -200,7 +200,7 @@ def test_an_installed_wheel_finds_the_shipped_models_and_reuses_compiled_program
   env = {**os.environ, "PYTHONPATH": str(site), "JSPEC_COMPILE_CACHE": str(tmp_path / "xla")}
   run = lambda *args: subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=elsewhere,
                                      env=env, timeout=300)
-  where = run("-c", "from jspec import shipped; print(shipped.TARGET)")
+  where = run("-c", "from jspec.core import shipped; print(shipped.TARGET)")
   assert pathlib.Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
   # The small pair (quicker to compile); its checkpoints come with the package as the default pair's do.
   command = ["-m", "jspec.generate", "--target", "code-small", "--prompt", "def parse_args(", "--max-new-tokens", "8",

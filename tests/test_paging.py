@@ -22,12 +22,12 @@ PROMPTS = [[3, 1, 4, 1, 5], list(range(2, 124)), [7] * 200]  # rows that start, 
 NEW_TOKENS = 40
 
 
-def paged(requests, seed: int = 0, spare: int = 5):
-  """The requests with each row's pages scattered over a pool larger than the batch needs."""
-  batch, per_row = requests.prompt_lens_B.shape[0], requests.capacity // kvcache.PAGE_SIZE
-  pages = batch * per_row + spare
-  table = np.random.default_rng(seed).permutation(pages)[:batch * per_row].reshape(batch, per_row)
-  return requests.replace(page_table_BxR=jnp.asarray(table, jnp.int32), pages=pages)
+def paged(batch, seed: int = 0, spare: int = 5):
+  """The batch with each row's pages scattered over a pool larger than the rows needs."""
+  rows, per_row = batch.prompt_lens_B.shape[0], batch.capacity // kvcache.PAGE_SIZE
+  pages = rows * per_row + spare
+  table = np.random.default_rng(seed).permutation(pages)[:rows * per_row].reshape(rows, per_row)
+  return batch.replace(page_table_BxR=jnp.asarray(table, jnp.int32), pages=pages)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,9 @@ def _decoder(kind: str, pair):
     ("model", 1.0), ("eagle-tree", 1.0)])
 def test_paged_decoding_gives_the_contiguous_tokens(pair, kind, temperature):
   decoder = _decoder(kind, pair)
-  requests = make_batch(decoder, PROMPTS, NEW_TOKENS, sampling=SamplingConfig(temperature), seed=[1, 2, 3])
-  tokens, lens, *_ = programs.run(decoder, requests)
-  paged_tokens, paged_lens, *_ = programs.run(decoder, paged(requests))
+  batch = make_batch(decoder, PROMPTS, NEW_TOKENS, sampling=SamplingConfig(temperature), seed=[1, 2, 3])
+  tokens, lens, *_ = programs.run(decoder, batch)
+  paged_tokens, paged_lens, *_ = programs.run(decoder, paged(batch))
   np.testing.assert_array_equal(paged_lens, lens)
   np.testing.assert_array_equal(paged_tokens, tokens)
 
@@ -68,11 +68,11 @@ def test_paged_decoding_gives_the_contiguous_tokens(pair, kind, temperature):
 def test_a_segment_over_narrow_rows_reads_the_whole_pool(pair):
   """The server's narrow segments slice per-row buffers: a page table is one, the pool is not."""
   decoder = _decoder("model", pair)
-  requests = paged(make_batch(decoder, PROMPTS, NEW_TOKENS))
-  state = programs.start(decoder, requests)
+  batch = paged(make_batch(decoder, PROMPTS, NEW_TOKENS))
+  state = programs.start(decoder, batch)
   done = state.done_B.at[1:].set(True)
   narrow = rows.run_rows(decoder, state.replace(done_B=done), width=1)
-  whole, *_ = programs.run(decoder, requests)
+  whole, *_ = programs.run(decoder, batch)
   np.testing.assert_array_equal(narrow.tokens_BxT[0, :narrow.seq_lens_B[0]], whole[0, :narrow.seq_lens_B[0]])
 
 
@@ -82,17 +82,17 @@ def test_the_loop_holds_no_copy_of_the_pool(pair, kind):
   """Nor do the server's segments (every row, or the narrower program of a few), and an insert prefills into
   the donated state's pools."""
   decoder = _decoder(kind, pair)
-  requests = paged(make_batch(decoder, PROMPTS, NEW_TOKENS))
+  batch = paged(make_batch(decoder, PROMPTS, NEW_TOKENS))
   as_users_compile = lambda lowered: lowered.compile(compiler_options=testing.AS_USERS_COMPILE).as_text()
-  state = programs.start(decoder, requests)
-  texts = [as_users_compile(programs.lower(decoder, requests))] + [
+  state = programs.start(decoder, batch)
+  texts = [as_users_compile(programs.lower(decoder, batch))] + [
       as_users_compile(programs.segment.lower(decoder, state, jnp.int32(8), jnp.asarray(True),
                                               jnp.zeros(len(PROMPTS), bool), width=width)) for width in (3, 1)]
   for config in [decoder.target_config] + ([decoder.drafter.config] if kind == "model" else []):
-    pool = requests.pages * config.n_kv_heads * kvcache.PAGE_SIZE * config.head_dim
+    pool = batch.pages * config.n_kv_heads * kvcache.PAGE_SIZE * config.head_dim
     for text in texts:
       assert testing.loop_cache_copies(text, pool) == []
-  one = jax.tree.map(lambda x: x[:1], requests)
+  one = jax.tree.map(lambda x: x[:1], batch)
   insert = as_users_compile(programs.insert.lower(decoder, state, one, jnp.int32(2)))
   assert "input_output_alias" in insert.splitlines()[0]
 

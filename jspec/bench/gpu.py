@@ -36,7 +36,7 @@ from jspec.core.settings import SpecConfig
 from jspec.core.timing import interleaved
 from jspec.decoding import loop, programs
 from jspec.decoding.batches import make_batch
-from jspec.decoding.decoder import make_decoder
+from jspec.decoding.decoder import Decoder, make_decoder
 from jspec.model import cache as kvcache
 from jspec.model import model
 from jspec.model.config import ModelConfig, num_params
@@ -107,10 +107,10 @@ def _plain_decode(m: jspec.Model, attention: str, smoke: bool) -> dict[str, Any]
   """Timed calls of one plain decoding executable: 'decode' (128 tokens) and 'first' (prefill and one)."""
   prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
   decoder = make_decoder(m, None, None, 1, attention=attention)
-  requests = make_batch(decoder, prompt, new, ignore_eos=True)
-  executable, compile_s = programs.compiled_run(decoder, requests)
-  first = requests.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
-  return {"decode": lambda: jax.block_until_ready(executable(decoder, requests)),
+  batch = make_batch(decoder, prompt, new, ignore_eos=True)
+  executable, compile_s = programs.compiled_run(decoder, batch)
+  first = batch.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
+  return {"decode": lambda: jax.block_until_ready(executable(decoder, batch)),
           "first": lambda: jax.block_until_ready(executable(decoder, first)), "new": new, "compile_s": compile_s}
 
 
@@ -119,7 +119,7 @@ def target_section(config: ModelConfig, params, smoke: bool) -> dict:
   where there is a kernel, the XLA loop's time beside it."""
   bw = bandwidth_gb_s(smoke)
   m = jspec.Model(config, params, TOKENIZER)
-  kernel = pallas_attention.select_kernel("auto", jax.default_backend())
+  kernel = make_decoder(m, None, None, 1).kernel(config.head_dim)
   runs = {name: _plain_decode(m, name, smoke) for name in (("auto", "xla") if kernel else ("auto",))}
   t = interleaved({f"{name} {part}": run[part] for name, run in runs.items() for part in ("decode", "first")},
                   1 if smoke else 3)
@@ -142,8 +142,7 @@ def kernel_section(smoke: bool) -> dict:
   """This platform's attention kernel (interpreted where there is none: the GPU's) against the reference
   loop on this device over `testing.ATTENTION_CASES`, in fp32 (full-precision matmuls) and bf16: the largest
   difference from the fp32 reference per case."""
-  kernel = (pallas_attention.select_kernel("auto", jax.default_backend())
-            or pallas_attention.Kernel("gpu", interpret=True))
+  kernel = (Decoder(None).kernel(testing.ATTENTION_HEAD_DIM) or pallas_attention.Kernel("gpu", interpret=True))
   errors = {}
   with jax.default_matmul_precision("highest"):
     for case in (("chain",) if smoke else testing.ATTENTION_CASES):
@@ -170,8 +169,8 @@ def rounds_section(target_config: ModelConfig, target_params, draft_config: Mode
   prompt = np.random.default_rng(0).integers(0, target_config.vocab_size, (1, 256)).tolist()
   for k in ((2,) if smoke else (2, 4, 8)):
     decoder = make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
-    requests = make_batch(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
-    state = jax.jit(loop.start)(decoder, requests.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
+    batch = make_batch(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
+    state = jax.jit(loop.start)(decoder, batch.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
     t = interleaved(round_and_step(decoder, state, steps=8), 1 if smoke else 3)
     out["round_in_target_steps"][k] = t["round"] / t["step"]
   return out

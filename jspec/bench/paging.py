@@ -136,11 +136,12 @@ def static_batch(target, draft, kind: str, batch: int, new_tokens: int, repeats:
   (each row's pages scattered over a pool): decode seconds, interleaved, medians."""
   text = _heldout_tokens(target, 200 * batch, 3)
   decoder = make_decoder(target, draft, jspec.SpecConfig(4, drafter=kind), batch)
-  requests = make_batch(decoder, [text[200 * i:200 * (i + 1)] for i in range(batch)], new_tokens, ignore_eos=True)
-  per_row = requests.capacity // pages.PAGE_SIZE
+  prompts = [text[200 * i:200 * (i + 1)] for i in range(batch)]
+  batch_of_prompts = make_batch(decoder, prompts, new_tokens, ignore_eos=True)
+  per_row = batch_of_prompts.capacity // pages.PAGE_SIZE
   table = np.random.default_rng(0).permutation(batch * per_row).reshape(batch, per_row).astype(np.int32)
-  paged = requests.replace(page_table_BxR=table, pages=batch * per_row)
-  runs = {"contiguous": requests, "paged": paged}
+  paged = batch_of_prompts.replace(page_table_BxR=table, pages=batch * per_row)
+  runs = {"contiguous": batch_of_prompts, "paged": paged}
   times = {name: [] for name in runs}
   for r in runs.values():  # compile
     jax.block_until_ready(programs.run(decoder, r))

@@ -17,6 +17,8 @@ from jspec.drafters import Drafter, Heads, ModelDrafter
 from jspec.drafters.base import DraftWeights
 from jspec.model import model
 from jspec.model.config import ModelConfig
+from jspec.model.kernels import pallas_attention
+from jspec.model.kernels.pallas_attention import Kernel
 from jspec.model.model import Model
 from jspec.speculation import costs
 
@@ -34,6 +36,13 @@ class Decoder:
   spec: SpecConfig | None = flax.struct.field(pytree_node=False, default=None)
   layout: Any = flax.struct.field(pytree_node=False, default=None)  # jspec.model.sharding.Layout on a mesh
   attention: str = flax.struct.field(pytree_node=False, default="auto")  # `settings.ATTENTION_CHOICES`
+
+  def kernel(self, head_dim: int, platform: str | None = None) -> Kernel | None:
+    """The attention kernel this decoder's programs run over caches of `head_dim` on `platform` (default: its
+    mesh's devices', which may be another machine's, else this machine's): `attention` resolved, the one place
+    jspec chooses (None: the reference loop)."""
+    platform = platform or pallas_attention.platform_of(self.layout and self.layout.mesh)
+    return pallas_attention.select_kernel(self.attention, platform, head_dim)
 
   @property
   def adaptive(self) -> AdaptiveConfig | None:
@@ -68,7 +77,6 @@ class Decoder:
     """The longest text a row may hold: the target's context, or the drafter's if shorter."""
     limit = None if self.drafter is None else self.drafter.context_len
     return min(self.target_config.max_seq_len, limit or self.target_config.max_seq_len)
-
 
 
 def drafter_kind(draft: Model | Heads) -> str:

@@ -29,7 +29,6 @@ from jspec.decoding.decoder import Decoder
 from jspec.drafters.base import DraftContext, DrafterState, Proposal, TreeProposal
 from jspec.model import cache as kvcache
 from jspec.model import model
-from jspec.model.kernels import pallas_attention
 from jspec.speculation import adaptive, tree
 from jspec.speculation.control import run_if, run_switch
 from jspec.speculation.logprobs import Logprobs
@@ -72,37 +71,36 @@ class DecodeState:
     return DraftContext(self.tokens_BxT, self.seq_lens_B, self.sampling, self.share_B, self.constraint)
 
 
-def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None,
+def init_state(decoder: Decoder, batch: Batch, capacity: int | None = None,
                pools: DecodeState | None = None) -> DecodeState:
-  """A state holding the right-padded prompts and empty caches of `capacity` slots (default: the requests'
-  own, `Batch.capacity`); paged caches (`requests.page_table_BxR`) in `pools`' pools when given (a
+  """A state holding the right-padded prompts and empty caches of `capacity` slots (default: the batch's
+  own, `Batch.capacity`); paged caches (`batch.page_table_BxR`) in `pools`' pools when given (a
   running state's), else in empty ones."""
-  capacity = _capacity(requests, capacity)
-  batch, prompt_width = requests.prompts_BxP.shape
-  tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, :prompt_width].set(requests.prompts_BxP)
+  capacity = _capacity(batch, capacity)
+  rows, prompt_width = batch.prompts_BxP.shape
+  tokens = jnp.zeros((rows, capacity), jnp.int32).at[:, :prompt_width].set(batch.prompts_BxP)
   drafter, spec = decoder.drafter, decoder.spec
   adaptive_config = decoder.adaptive or AdaptiveConfig()
   state = DecodeState(
-      tokens_BxT=tokens, seq_lens_B=requests.prompt_lens_B.astype(jnp.int32),
-      prompt_lens_B=requests.prompt_lens_B.astype(jnp.int32),
-      max_new_tokens_B=requests.max_new_tokens_B.astype(jnp.int32), done_B=jnp.zeros((batch,), bool),
-      keys_Bx2=jax.vmap(jax.random.PRNGKey)(requests.seeds_B.astype(jnp.uint32)), sampling=requests.sampling,
-      target_cache=kvcache.init_cache(decoder.target_config, batch, capacity),
-      drafter_state=None if drafter is None else drafter.init(batch, capacity, spec.draft_len),
-      stats=DecodeStats.zeros(batch, decoder.draft_len, adaptive_config.window,
+      tokens_BxT=tokens, seq_lens_B=batch.prompt_lens_B.astype(jnp.int32),
+      prompt_lens_B=batch.prompt_lens_B.astype(jnp.int32),
+      max_new_tokens_B=batch.max_new_tokens_B.astype(jnp.int32), done_B=jnp.zeros((rows,), bool),
+      keys_Bx2=jax.vmap(jax.random.PRNGKey)(batch.seeds_B.astype(jnp.uint32)), sampling=batch.sampling,
+      target_cache=kvcache.init_cache(decoder.target_config, rows, capacity),
+      drafter_state=None if drafter is None else drafter.init(rows, capacity, spec.draft_len),
+      stats=DecodeStats.zeros(rows, decoder.draft_len, adaptive_config.window,
                               spec.trace_rounds if drafter is not None else 0),
-      stop_BxE=requests.stop_BxE.astype(jnp.int32), speculate_B=requests.speculate_B.astype(bool),
-      share_B=requests.share_B.astype(bool), constraint=requests.constraint,
-      logprobs=None if requests.logprobs_B is None else Logprobs.zeros(requests.logprobs_B, capacity,
-                                                                       requests.top_logprobs))
+      stop_BxE=batch.stop_BxE.astype(jnp.int32), speculate_B=batch.speculate_B.astype(bool),
+      share_B=batch.share_B.astype(bool), constraint=batch.constraint,
+      logprobs=None if batch.logprobs_B is None else Logprobs.zeros(batch.logprobs_B, capacity,
+                                                                    batch.top_logprobs))
   # Every cache rotates positions for the row's final length (only dynamic-NTK RoPE reads it), and attends
   # with the kernel of the platform the program is for (a mesh's devices may be another machine's).
-  final_len_B = (requests.prompt_lens_B + requests.max_new_tokens_B).astype(jnp.int32)
+  final_len_B = (batch.prompt_lens_B + batch.max_new_tokens_B).astype(jnp.int32)
   # With a page table, every cache of the batch's capacity is a pool of pages read through it (a drafter's
   # cache of another length, as a cross-tokenizer draft's, stays contiguous).
-  platform = pallas_attention.platform_of(decoder.layout and decoder.layout.mesh)
-  kernel = lambda c: pallas_attention.select_kernel(decoder.attention, platform, c.k[0].shape[-1])
-  pages, table_BxR = requests.pages, requests.page_table_BxR
+  kernel = lambda c: decoder.kernel(c.k[0].shape[-1])
+  pages, table_BxR = batch.pages, batch.page_table_BxR
   pool = lambda c: (kvcache.paged(c, table_BxR, pages) if table_BxR is not None and c.capacity == capacity
                     else c).replace(kernel=kernel(c))
   is_cache = lambda x: isinstance(x, kvcache.KVCache)
@@ -112,26 +110,26 @@ def init_state(decoder: Decoder, requests: Batch, capacity: int | None = None,
   return state if pools is None else kvcache.take_pools(state, pools)
 
 
-def _capacity(requests: Batch, capacity: int | None) -> int:
-  capacity = capacity or requests.capacity
+def _capacity(batch: Batch, capacity: int | None) -> int:
+  capacity = capacity or batch.capacity
   if capacity is None:
-    raise ValueError("no capacity: build the requests with jspec.decoding.batches.make_batch, or pass capacity")
+    raise ValueError("no capacity: build the batch with jspec.decoding.batches.make_batch, or pass capacity")
   return capacity
 
 
-def start(decoder: Decoder, requests: Batch, capacity: int | None = None,
+def start(decoder: Decoder, batch: Batch, capacity: int | None = None,
           pools: DecodeState | None = None) -> DecodeState:
   """The state after both prefills, ready for `run` or `step`, with caches of `capacity` slots (default:
-  `requests.capacity`), laid out by `decoder.layout` on a mesh; paged caches prefilled into `pools`' pools
+  `batch.capacity`), laid out by `decoder.layout` on a mesh; paged caches prefilled into `pools`' pools
   when given (`init_state`)."""
-  state = init_state(decoder, requests, capacity, pools)
+  state = init_state(decoder, batch, capacity, pools)
   if decoder.layout is not None:
     state = decoder.layout.constrain_caches(state)
-  prompts_BxP, lens_B = requests.prompts_BxP, requests.prompt_lens_B
-  start_B = jnp.zeros_like(lens_B) if requests.cached_B is None else requests.cached_B
+  prompts_BxP, lens_B = batch.prompts_BxP, batch.prompt_lens_B
+  start_B = jnp.zeros_like(lens_B) if batch.cached_B is None else batch.cached_B
   hidden_BxWxD, target_cache = model.prefill(decoder.target_params, decoder.target_config, state.target_cache,
                                              prompts_BxP, lens_B, decoder.feature_layers, start_B,
-                                             requests.prefill_width)
+                                             batch.prefill_width)
   state = state.replace(target_cache=target_cache.rewind(lens_B - 1))  # the last prompt token is pending
   if decoder.drafter is not None:
     state = state.replace(drafter_state=decoder.drafter.prefill(decoder.weights, state.drafter_state, prompts_BxP,

@@ -27,27 +27,27 @@ class Decoded(NamedTuple):
   logprobs: Logprobs | None
 
 
-def _run(decoder: Decoder, requests: Batch) -> Decoded:
+def _run(decoder: Decoder, batch: Batch) -> Decoded:
   """Prefills and decodes a batch."""
-  state = loop.run(decoder, loop.start(decoder, requests))
+  state = loop.run(decoder, loop.start(decoder, batch))
   return Decoded(state.tokens_BxT, state.seq_lens_B, state.stats, state.logprobs)
 
 
 run = jax.jit(_run)
 
 
-def lower(decoder: Decoder, requests: Batch) -> Any:
+def lower(decoder: Decoder, batch: Batch) -> Any:
   """`run` lowered for these arguments. On a mesh (`decoder.layout`) its shardings are explicit, as
   `jax.jit(in_shardings=..., out_shardings=...)` (what pjit became): each argument keeps the sharding it
   was placed with (`jspec.model.sharding.place_decoder`, `place`) and the outputs are replicated. The decode
   state lives only inside the executable (the while loop updates it in place), so no state buffer crosses
   the boundary to donate."""
   if decoder.layout is None:
-    return run.lower(decoder, requests)
+    return run.lower(decoder, batch)
   replicated = NamedSharding(decoder.layout.mesh, PartitionSpec())
   explicit = jax.jit(_run, out_shardings=replicated,
-                     in_shardings=jax.tree.map(lambda x: x.sharding, (decoder, requests)))
-  return explicit.lower(decoder, requests)
+                     in_shardings=jax.tree.map(lambda x: x.sharding, (decoder, batch)))
+  return explicit.lower(decoder, batch)
 
 
 class Report(NamedTuple):
@@ -74,7 +74,6 @@ def _segment(decoder: Decoder, state: loop.DecodeState, max_rounds: jax.Array, s
   return state, Report(state.tokens_BxT, state.seq_lens_B, state.done_B, state.stats, scored)
 
 
-
 # Jitted pieces for segmented decoding (streaming, continuous batching): the prefill of a batch, a segment
 # of the loop, and the prefill of new rows into a running batch. The state is donated: it is updated in
 # place on accelerators, and the caller holds only what each call returns.
@@ -94,7 +93,7 @@ def fetch(tree: Any) -> Any:
   return jax.device_get(jax.tree.map(local, tree))
 
 
-def compiled_run(decoder: Decoder, requests: Batch) -> tuple[Any, float]:
-  """The executable of `run` for these argument shapes (call it with `(decoder, requests)`), and the
+def compiled_run(decoder: Decoder, batch: Batch) -> tuple[Any, float]:
+  """The executable of `run` for these argument shapes (call it with `(decoder, batch)`), and the
   seconds spent compiling it now (0 if cached)."""
-  return program_cache.compiled("decode", lambda: lower(decoder, requests), (decoder, requests))
+  return program_cache.compiled("decode", lambda: lower(decoder, batch), (decoder, batch))

@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec.decoding import batches, loop, programs
 from jspec.decoding.decoder import Decoder
 from jspec.model import sharding
-from jspec.model.kernels import pallas_attention
 from jspec.planning import memory
 
 
@@ -108,13 +107,13 @@ def _shardings(tree):
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def started_state(decoder: Decoder, requests, capacity: int):
-  """The abstract state `decode.start` leaves for these placed requests, each leaf with the sharding the
+def started_state(decoder: Decoder, batch, capacity: int):
+  """The abstract state `decode.start` leaves for these placed batch, each leaf with the sharding the
   compiled start gives it: what a step or a segment is compiled for on its own."""
   start = lambda d, r: loop.start(d, r, capacity)
-  started = jax.jit(start, in_shardings=_shardings((decoder, requests))).lower(decoder, requests).compile()
+  started = jax.jit(start, in_shardings=_shardings((decoder, batch))).lower(decoder, batch).compile()
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      jax.eval_shape(start, decoder, requests), started.output_shardings)
+                      jax.eval_shape(start, decoder, batch), started.output_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,19 +165,19 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
   place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
   program_decoder = place(decoder)
-  requests = sharding.place(memory.abstract_requests(program_decoder, batch, prompt_width, capacity), mesh)
-  program = compiled(programs.lower(program_decoder, requests))
+  abstract = sharding.place(memory.abstract_batch(program_decoder, batch, prompt_width, capacity), mesh)
+  program = compiled(programs.lower(program_decoder, abstract))
   placed = program_decoder if round_decoder is None else place(round_decoder)
-  state = started_state(placed, requests, capacity)
+  state = started_state(placed, abstract, capacity)
   per_device = target.per_device(len(devices))
   # The state donated, as the loop updates it in place: no copy of the caches into a fresh output counts.
   step_time = lambda step: roofline_seconds(compiled(jax.jit(step, in_shardings=_shardings((placed, state)),
                                                              donate_argnums=1).lower(placed, state)), per_device)
   plain = step_time(loop.autoregressive_step)
   spec_round = step_time(loop.speculative_step) if placed.drafter is not None else plain
-  kernel = pallas_attention.select_kernel(decoder.attention, "tpu")
+  kernel = placed.kernel(placed.target_config.head_dim)
   report = Report(target, len(devices), program, plain, spec_round, placed.draft_len,
-                  "XLA loop" if kernel is None else "Pallas TPU kernel")
+                  "XLA loop" if kernel is None else f"Pallas {kernel.backend.upper()} kernel")
   if not serving:
     return report
   return dataclasses.replace(report, server=compile_server(program_decoder, batch, prompt_width, capacity))
@@ -189,9 +188,9 @@ def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: in
   over every slot and the insert of a request of `prompt_width` tokens into a running state. The state
   lives between calls (donated to each), so a segment's arguments hold it beside the weights."""
   mesh = decoder.layout.mesh
-  idle = sharding.place(memory.abstract_requests(decoder, slots, batches.prompt_bucket(1), capacity), mesh)
+  idle = sharding.place(memory.abstract_batch(decoder, slots, batches.prompt_bucket(1), capacity), mesh)
   state = started_state(decoder, idle, capacity)
-  one = sharding.place(memory.abstract_requests(decoder, 1, prompt_width, capacity), mesh)
+  one = sharding.place(memory.abstract_batch(decoder, 1, prompt_width, capacity), mesh)
   scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
   return {"segment": compiled(programs.segment.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
                                                      scalar(jnp.bool_, (slots,)), width=slots)),

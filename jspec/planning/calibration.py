@@ -25,11 +25,10 @@ from jspec.core.settings import AdaptiveConfig, CostModel, SpecConfig
 from jspec.core.timing import interleaved
 from jspec.decoding import loop
 from jspec.decoding.batches import make_batch
-from jspec.decoding.decoder import make_decoder
+from jspec.decoding.decoder import Decoder, make_decoder
 from jspec.model import cache as kvcache
 from jspec.model import model
 from jspec.model.config import ModelConfig, num_params
-from jspec.model.kernels import pallas_attention
 from jspec.speculation import costs
 
 STEPS = 32  # steps per timed loop
@@ -76,8 +75,7 @@ def step_loop(params, config: ModelConfig, batch: int, capacity: int, used: int,
     return cache, model.logits_from_hidden(params, hidden, config)[0, 0, 0]
 
   cache = kvcache.init_cache(config, batch, capacity).rewind(jnp.full((batch,), used, jnp.int32))
-  kernel = pallas_attention.select_kernel("auto", jax.default_backend(), config.head_dim)  # as decoding reads
-  cache = cache.replace(kernel=kernel)
+  cache = cache.replace(kernel=Decoder(params, target_config=config).kernel(config.head_dim))  # as decoding reads
   return timed_loop(one, cache, steps, donate=True), steps
 
 
@@ -86,8 +84,8 @@ def started(target, draft, kind: str, draft_len: int, batch: int, used: int = US
   512 slots."""
   decoder = make_decoder(target, draft, SpecConfig(draft_len, drafter=kind, adaptive=None), batch)
   prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, used)).tolist()
-  requests = make_batch(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
-  return decoder, loop.start(decoder, requests.replace(max_new_tokens_B=np.full((batch,), max_new, np.int32)))
+  prompts = make_batch(decoder, prompts, 1, ignore_eos=True, capacity_slots=512)
+  return decoder, loop.start(decoder, prompts.replace(max_new_tokens_B=np.full((batch,), max_new, np.int32)))
 
 
 def drafter_cost_ratio(target, draft, kind: str, repeats: int, used: int = USED, batch: int = 1) -> float:

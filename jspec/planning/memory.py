@@ -62,8 +62,8 @@ def axis_sizes(mesh) -> dict[str, int]:
   return {a: 1 for a in sharding.AXES} if mesh is None else dict(mesh.shape)
 
 
-def abstract_requests(decoder: Decoder, batch: int, prompt_width: int, capacity: int) -> Batch:
-  """The shapes of a batch's requests (nothing allocated, whatever the batch)."""
+def abstract_batch(decoder: Decoder, batch: int, prompt_width: int, capacity: int) -> Batch:
+  """The shapes of a `Batch` of `batch` rows (nothing allocated, whatever its size)."""
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch, *np.shape(x)[1:]), np.asarray(x).dtype),
                           sampling_arrays(batches.GREEDY, 1))
@@ -118,7 +118,7 @@ def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill
 def scores_in_memory(decoder: Decoder, platform: str) -> bool:
   """Whether the attention a program for `platform` runs holds its scores in memory: the XLA loop, or a
   kernel Pallas interprets."""
-  kernel = pallas_attention.select_kernel(decoder.attention, platform, decoder.target_config.head_dim)
+  kernel = decoder.kernel(decoder.target_config.head_dim, platform)
   return kernel is None or kernel.interpret
 
 
@@ -140,7 +140,7 @@ def usage(decoder: Decoder, batch: int, prompt_width: int, capacity: int, mesh=N
     specs = (sharding.param_specs(decoder.drafter_params, draft_config, plan_mesh) if draft_config is not None
              else jax.tree.map(lambda _: PartitionSpec(), decoder.drafter_params))
     draft_weights = _per_device(decoder.drafter_params, specs, shape)
-  state = jax.eval_shape(loop.init_state, decoder, abstract_requests(decoder, batch, prompt_width, capacity))
+  state = jax.eval_shape(loop.init_state, decoder, abstract_batch(decoder, batch, prompt_width, capacity))
 
   def cache_bytes(tree, config) -> int:
     spec = sharding.cache_layout(batch, config, plan_mesh).spec

@@ -47,11 +47,11 @@ def compiled_workspace(decoder: Decoder, batch: int, prompt_width: int, capacity
   one layer per model (compiled for the abstract shapes, with these XLA options; nothing allocated). None
   where the backend does not say."""
   small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), _one_layer(decoder.replace(layout=None)))
-  requests = memory.abstract_requests(small, batch, prompt_width, capacity)
-  analysis = programs.lower(small, requests).compile(compiler_options=compiler_options).memory_analysis()
+  abstract = memory.abstract_batch(small, batch, prompt_width, capacity)
+  analysis = programs.lower(small, abstract).compile(compiler_options=compiler_options).memory_analysis()
   if analysis is None or not getattr(analysis, "temp_size_in_bytes", 0):
     return None
-  state = jax.eval_shape(loop.init_state, small, requests)
+  state = jax.eval_shape(loop.init_state, small, abstract)
   return max(int(analysis.temp_size_in_bytes) - memory.nbytes((state.target_cache, state.drafter_state)), 0)
 
 
