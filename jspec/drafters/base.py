@@ -19,7 +19,6 @@ asked of the drafter here, never of its kind's name. Kinds are listed in `jspec.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,7 +34,6 @@ from jspec.speculation.sampling import SamplingParams, next_token
 from jspec.text.automaton import Automata
 
 if TYPE_CHECKING:
-  from jspec.drafters.published import Found, HeadTensors
   from jspec.model.model import Model
 
 DrafterState = Any  # a pytree; None for stateless drafters
@@ -150,24 +148,12 @@ class Drafter:
     """Fresh weights (training starts from these; checkpoints restore into their shapes)."""
     raise NotImplementedError(f"the {self.kind} drafter has no weights of its own")
 
-  # -- published formats (`jspec.formats.head_formats`) -----------------------------------------------------
-  published_formats: ClassVar[tuple[str, ...]] = ()  # the formats its heads are published in, read and written
-
-  @classmethod
-  def detect_published(cls, path: pathlib.Path, config: dict) -> Found | None:
-    """The published format of a directory (its `config`: its config.json), None when it holds none of
-    this kind's."""
-    return None
-
-  @classmethod
-  def read_published(cls, found: Found, tensors: HeadTensors, dtype: str) -> Heads:
-    """Published heads as jspec `Heads` of this kind."""
-    raise NotImplementedError(f"the {cls.kind} drafter reads no published format")
-
-  def write_published(self, heads: Heads, fmt: str, target: Model, verifier: str) -> tuple[dict, dict]:
-    """`heads` for `target` in published format `fmt`: its `config.json` fields and its tensors by name,
-    naming `verifier` where the format records the target; a ValueError where they cannot be."""
-    raise ValueError(f"the {self.kind} drafter's weights have no published format")
+  # -- published formats -----------------------------------------------------------------------------------
+  # The module beside it that reads and writes its heads in the formats they are published in (None: none), as
+  # `jspec.formats.head_formats` calls it: `FORMATS`; `detect(path, config) -> Found | None` (config: the
+  # directory's config.json); `read(cls, found, tensors, dtype) -> Heads`; `write(heads, fmt, target,
+  # verifier) -> (config, tensors)`, a ValueError where they cannot be written as `fmt`.
+  published: ClassVar[Any] = None
 
   # -- training ---------------------------------------------------------------------------------------------
   @classmethod

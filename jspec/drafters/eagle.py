@@ -42,7 +42,6 @@ from jspec.drafters.base import (
   Drafter,
   DraftWeights,
   Features,
-  Heads,
   Proposal,
   TreeProposal,
   check_heads_fit,
@@ -51,7 +50,6 @@ from jspec.drafters.base import (
   onto_vocab,
 )
 from jspec.drafters.eagle_formats import default_feature_layers
-from jspec.drafters.published import Found, HeadTensors
 from jspec.model import cache as kvcache
 from jspec.model import model
 from jspec.model.config import ModelConfig
@@ -105,6 +103,7 @@ class EagleDrafter(Drafter):
   learning_rate = 2e-3
   supports_tree = True
   prefix_lookahead = 1
+  published = eagle_formats
 
   @classmethod
   def for_pair(cls, target, draft, spec: SpecConfig) -> EagleDrafter:
@@ -132,19 +131,6 @@ class EagleDrafter(Drafter):
     return {"feature_layers": list(self.feature_layers), "draft_vocab": self.draft_vocab, "fc_bias": self.fc_bias,
             "norm_before_residual": self.norm_before_residual, "extra_norms": self.extra_norms,
             "own_embed": self.own_embed}
-
-  published_formats = eagle_formats.FORMATS
-
-  @classmethod
-  def detect_published(cls, path, config: dict) -> Found | None:
-    return eagle_formats.detect(path, config)
-
-  @classmethod
-  def read_published(cls, found: Found, tensors: HeadTensors, dtype: str) -> Heads:
-    return eagle_formats.read(cls, found, tensors, dtype)
-
-  def write_published(self, heads: Heads, fmt: str, target, verifier: str) -> tuple[dict, dict]:
-    return eagle_formats.write(heads, fmt, target, verifier)
 
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> EagleDrafter:

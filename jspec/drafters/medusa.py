@@ -25,13 +25,11 @@ from jspec.drafters.base import (
   Drafter,
   DraftWeights,
   Features,
-  Heads,
   Proposal,
   TreeProposal,
   check_heads_fit,
   draw_path,
 )
-from jspec.drafters.published import Found, HeadTensors
 from jspec.model import model
 from jspec.model.config import ModelConfig
 from jspec.speculation import tree
@@ -44,6 +42,7 @@ class MedusaDrafter(Drafter):
   num_layers: int = 1  # residual blocks per head
   own_heads: int = 0  # LM heads of their own: 0 (they read the target's), 1 (one shared) or num_heads
   kind = "medusa"
+  published = medusa_formats
   learning_rate = 1e-3
   supports_tree = True
 
@@ -69,19 +68,6 @@ class MedusaDrafter(Drafter):
 
   def metadata(self) -> dict:
     return {"num_heads": self.num_heads, "num_layers": self.num_layers, "own_heads": self.own_heads}
-
-  published_formats = medusa_formats.FORMATS
-
-  @classmethod
-  def detect_published(cls, path, config: dict) -> Found | None:
-    return medusa_formats.detect(path, config)
-
-  @classmethod
-  def read_published(cls, found: Found, tensors: HeadTensors, dtype: str) -> Heads:
-    return medusa_formats.read(cls, found, tensors, dtype)
-
-  def write_published(self, heads: Heads, fmt: str, target, verifier: str) -> tuple[dict, dict]:
-    return medusa_formats.write(heads, fmt, target, verifier)
 
   @classmethod
   def from_metadata(cls, config: ModelConfig, metadata: dict) -> MedusaDrafter:

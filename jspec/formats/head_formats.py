@@ -1,6 +1,6 @@
 """Draft heads in the formats they are published for vLLM and SGLang: found, read and written through the
-drafter kinds that have them (`Drafter.published_formats`; each kind's formats live beside it, e.g.
-`jspec.drafters.eagle_formats`). Nothing here knows a kind."""
+drafter kinds that have them (`Drafter.published`: the module beside the drafter that reads and writes
+them, e.g. `jspec.drafters.eagle_formats`). Nothing here knows a kind."""
 from __future__ import annotations
 
 import json
@@ -16,24 +16,24 @@ from jspec.drafters.published import Found, HeadTensors, read_config
 
 def _publishing() -> list[type]:
   """The drafter classes that read and write published formats, in the registry's order."""
-  return [c for c in map(registry.drafter_class, registry.kinds()) if c.published_formats]
+  return [c for c in map(registry.drafter_class, registry.kinds()) if c.published is not None]
 
 
 def formats() -> tuple[str, ...]:
-  return tuple(f for c in _publishing() for f in c.published_formats)
+  return tuple(f for c in _publishing() for f in c.published.FORMATS)
 
 
 def detect(path: pathlib.Path) -> Found | None:
   """The published head format of a directory, None when it holds none (a model, a jspec checkpoint)."""
   path = pathlib.Path(path)
   config = read_config(path)
-  return next((found for c in _publishing() if (found := c.detect_published(path, config)) is not None), None)
+  return next((found for c in _publishing() if (found := c.published.detect(path, config)) is not None), None)
 
 
 def load_head(path: pathlib.Path, found: Found, dtype: str) -> Heads:
   """A published head as jspec `Heads` (`source` names its format)."""
-  cls = next(c for c in _publishing() if found.format in c.published_formats)
-  return cls.read_published(found, HeadTensors(found, path, dtype), dtype)
+  cls = next(c for c in _publishing() if found.format in c.published.FORMATS)
+  return cls.published.read(cls, found, HeadTensors(found, path, dtype), dtype)
 
 
 def export(heads: Heads, fmt: str, out: pathlib.Path, target, verifier: str) -> pathlib.Path:
@@ -41,7 +41,10 @@ def export(heads: Heads, fmt: str, out: pathlib.Path, target, verifier: str) -> 
   or path as the serving system will load it) where the format records one."""
   if fmt not in formats():
     raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(formats())}")
-  config, tensors = heads.drafter.write_published(heads, fmt, target, verifier)
+  drafter = heads.drafter
+  if drafter.published is None:
+    raise ValueError(f"the {drafter.kind} drafter's weights have no published format")
+  config, tensors = drafter.published.write(heads, fmt, target, verifier)
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
