@@ -24,6 +24,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import convert, testing  # noqa: E402
+from jspec.core import shipped  # noqa: E402
 from jspec.core.settings import SpecConfig  # noqa: E402
 from jspec.drafters import DraftWeights  # noqa: E402
 from jspec.formats.loading import load_shapes  # noqa: E402
@@ -396,6 +397,22 @@ def test_trained_eagle1_and_medusa_heads_export_and_load_back_identically(target
                                jspec_logits(heads, target, feature, tokens), atol=1e-6)
 
 
+@pytest.mark.slow
+def test_the_default_pairs_head_exports_to_the_eagle_repositorys_layout(tmp_path):
+  """The shipped default EAGLE head is in a published layout: `convert --to eagle` writes it, and the head it
+  writes drafts with the same logits."""
+  target = jspec.load("code")
+  heads = jspec.load(shipped.DEFAULT.drafts["eagle"])
+  assert convert.main(["--to", "eagle", str(shipped.DEFAULT.drafts["eagle"]), str(tmp_path / "out"),
+                       "--target", "code"]) == 0
+  back = jspec.load(tmp_path / "out")
+  assert back.source == "an EAGLE-1/2 head (EAGLE repository)"
+  tokens = np.random.default_rng(0).integers(0, target.config.vocab_size, (1, 14))
+  feature = model.forward_full(target.params, jnp.asarray(tokens[:, :-1]), target.config)[1]
+  np.testing.assert_allclose(jspec_logits(back, target, feature, tokens[:, 1:]),
+                             jspec_logits(heads, target, feature, tokens[:, 1:]), atol=1e-5)
+
+
 def test_refusals_are_one_line(targets, tmp_path, capsys):
   _, target, target_dir = targets["llama"]
   wide = SPECULATORS("llama", 1)
@@ -425,7 +442,7 @@ def test_refusals_are_one_line(targets, tmp_path, capsys):
   with pytest.raises(ValueError, match="print, not only tensors; refusing"):
     jspec.load(tmp_path / "evil")
   assert "ran" not in capsys.readouterr().out
-  assert convert.main(["--to", "medusa", str(jspec.core.shipped.SMALL.drafts["eagle"]), str(tmp_path / "x"),
+  assert convert.main(["--to", "medusa", str(shipped.SMALL.drafts["eagle"]), str(tmp_path / "x"),
                        "--target", "code-small"]) == 2
   assert "no published format has" in capsys.readouterr().err
 

@@ -108,7 +108,7 @@ class Engine:
     if self.kv_pages is None:  # chunks go into pages: unpaged, whole prompts
       self._prefilling = Prefills(None)
     self._admissions = itertools.count()
-    self.decode_seconds = 0.0  # running them
+    self.decode_seconds = 0.0  # running programs
     self.last_prefill_seconds: list[float] = []  # the last step's prefills (one per request started)
     self.last_segment_seconds: float | None = None  # the last step's segment, with reading its tokens
     self.program_cache = ProgramCache(self._key)
