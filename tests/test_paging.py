@@ -14,6 +14,7 @@ from jspec.core.settings import SamplingConfig, SpecConfig, TreeConfig
 from jspec.decoding import batches, programs, rows
 from jspec.decoding.batches import make_batch
 from jspec.decoding.decoder import make_decoder
+from jspec.engine.pages import NULL_PAGE, KVPages
 from jspec.engine.requests import Request
 from jspec.model import cache as kvcache
 from jspec.text import automaton
@@ -51,6 +52,33 @@ def _models(kind: str, pair):
 
 def _decoder(kind: str, pair):
   return make_decoder(pair[0], *_models(kind, pair), len(PROMPTS))
+
+
+def test_kv_pages_share_a_cached_prefix_and_free_what_no_slot_holds():
+  """`KVPages`, the engine's one object for pages and the prefix cache: a prompt's full final pages are cached
+  when its request starts, a later prompt with the same prefix is given those pages (its hits counted) and
+  fresh ones for the rest, a slot grows only into free pages, and a freed slot's pages come back, the cached
+  ones kept until a request needs them."""
+  size = kvcache.PAGE_SIZE
+  pool = KVPages(pages=4, slots=2, pages_per_row=4, lookahead=1)
+  prompt, other = list(range(3 * size)), list(range(2 * size + 5)) + [7] * 60
+  assert pool.allocate(0, prompt, 3 * size) == 0 and pool.held(0) == 3 and pool.num_free == 1
+  pool.started(0, prompt, 0)  # its first two pages are final in every cache: cached
+  assert pool.allocate(1, other, 3 * size) == 2 * size and pool.num_free == 0
+  pool.started(1, other, 2 * size)
+  assert pool.prefix_hits == 2 * size and pool.prefix_queries == len(prompt) + len(other)
+  assert pool.table[1, :2].tolist() == pool.table[0, :2].tolist()
+  assert not pool.grow(1, 4 * size) and pool.held(1) == 3  # no page free: none given
+  pool.free(1)
+  assert pool.num_free == 1  # its own page; the shared ones are still slot 0's
+  pool.free(0, prompt + [1, 2, 3])  # its third page is final now: cached too
+  assert pool.num_free == 4 and (pool.table == NULL_PAGE).all()
+  assert pool.allocate(0, prompt + [1, 2, 3], 3 * size + 3) == 3 * size  # the cached pages outlived their slots
+  pool.free(0)
+  assert pool.num_free == 4
+  assert pool.allocate(1, [9] * 4 * size, 4 * size) == 0 and pool.num_free == 0  # the cached pages evicted
+  assert pool.allocate(0, prompt, 3 * size) is None and pool.held(0) == 0  # nothing cached, nothing free
+  assert pool.changed_table(unready=[1])[1].tolist() == [NULL_PAGE] * 4 and pool.changed_table([]) is None
 
 
 @pytest.mark.parametrize("kind,temperature", [
