@@ -104,9 +104,7 @@ class Engine:
                    memory=budget)
     self.num_preemptions = 0
     self.batcher = Batcher(decoder, tokenizer, max_len, self.prompt_width, self.capacity, max_logprobs, self.kv_pages)
-    self._prefilling = Prefills(max_prefill_tokens)
-    if self.kv_pages is None:  # chunks go into pages: unpaged, whole prompts
-      self._prefilling = Prefills(None)
+    self._prefilling = Prefills(max_prefill_tokens, paged=self.kv_pages is not None)
     self._admissions = itertools.count()
     self.decode_seconds = 0.0  # running programs
     self.last_prefill_seconds: list[float] = []  # the last step's prefills (one per request started)

@@ -15,12 +15,13 @@ from jspec.model.cache import PAGE_SIZE
 
 
 class Prefills:
-  """Slots prefilling, at most `max_tokens` prompt tokens a step (None: whole prompts, no chunks)."""
+  """Slots prefilling, at most `max_tokens` prompt tokens a step (None: whole prompts, no chunks). Chunks go
+  into pages: unless `paged`, prompts go whole."""
 
-  def __init__(self, max_tokens: int | None):
+  def __init__(self, max_tokens: int | None, paged: bool = True):
     if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 1):
       raise ValueError(f"max_prefill_tokens must be an integer >= 1, got {max_tokens}")
-    self.max_tokens = max_tokens
+    self.max_tokens = max_tokens = max_tokens if paged else None
     buckets = sorted({batches.prompt_bucket(n) for n in range(1, (max_tokens or 0) + 1)})
     buckets = [w for w in buckets if w <= (max_tokens or 0)]
     self.chunk_widths = [w for w in buckets if w % PAGE_SIZE == 0] or buckets
