@@ -64,10 +64,12 @@ def parser() -> argparse.ArgumentParser:
                       "available to this process)")
   g.add_argument("--memory-fraction", type=float, default=1.0, metavar="F",
                  help="share of each device's memory the deployment may use")
-  g.add_argument("--compile-for", default=None, metavar="tpu:CHIP:TOPOLOGY",
+  g.add_argument("--compile-for", default=None, metavar="tpu:CHIP:TOPOLOGY|gpu:CHIP:COUNT",
                  help="also compile the decode program for this TPU topology (e.g. tpu:v5e:2x4; chips: v4, v5e, "
-                      "v5p, v6e) with abstract weights, and report XLA's memory per device and a roofline estimate "
-                      "of a step and a round (needs libtpu: pip install -e \".[tpu]\")")
+                      "v5p, v6e; needs libtpu: pip install -e \".[tpu]\") or these NVIDIA GPUs on one host (e.g. "
+                      "gpu:h100:2; chips: h100, h200, a100, b200, l4; needs the CUDA compiler: pip install -e "
+                      "\".[gpu-compile]\") with abstract weights, and report XLA's memory per device and a roofline "
+                      "estimate of a step and a round")
   flags.add_attention_arg(g)
   g.add_argument("--estimate", action="store_true",
                  help="estimate the workspace instead of compiling the decode program to measure it (it is "
@@ -91,11 +93,12 @@ def planned_dtype(args: argparse.Namespace) -> str | None:
 
 
 def planned_platform(args: argparse.Namespace) -> str | None:
-  """What the plan's attention runs on: a TPU's kernel for `--compile-for`, an accelerator's for
+  """What the plan's attention runs on: the `--compile-for` platform's kernel, an accelerator's for
   `--device-memory` (the GPU's, which a head dim that is not a power of two cannot take), else this
   machine's."""
   if args.compile_for is not None:
-    return "tpu"
+    from jspec.planning import accelerators
+    return accelerators.Target.parse(args.compile_for).platform
   return "gpu" if args.device_memory is not None else None
 
 
@@ -113,7 +116,7 @@ def plan(args: argparse.Namespace):
   if args.compile_for is not None:
     from jspec.planning import accelerators
     compile_for = accelerators.Target.parse(args.compile_for)
-    devices = len(compile_for.devices())  # no libtpu: one line, before anything loads
+    devices = len(compile_for.devices())  # no compiler for it: one line, before anything loads
     args.mesh = args.mesh or f"model={devices}"
     sizes = sharding.mesh_sizes(args.mesh)
     if sizes["data"] * sizes["model"] != devices:
@@ -188,16 +191,20 @@ def mean_len(args: argparse.Namespace, p) -> int:
   return args.mean_len or max(p.context // 2, 1)
 
 
+COST_SOURCES = {"compiled": "", "unoptimized": " of the module before optimization, per device"}
+
+
 def describe_compiled(r, tau: float = 3.0) -> str:
   """What XLA compiled for the topology, beside the plan; the times are labelled estimates."""
   from jspec.planning.memory import gb
   c, chip = r.program, r.per_device
   return "\n".join([
-      f"compiled for tpu:{r.target.chip_name}:{r.target.topology} by XLA ({r.devices} devices), per device:",
+      f"compiled for {r.target} by XLA ({r.devices} device{'s' * (r.devices > 1)}), per device:",
       f"  {'arguments':<24}{gb(c.argument_bytes):>12}", f"  {'temporaries':<24}{gb(c.temp_bytes):>12}",
       f"  {'output':<24}{gb(c.output_bytes):>12}", f"  {'generated code':<24}{gb(c.code_bytes):>12}",
       f"  {'total':<24}{gb(c.total_bytes):>12} of {gb(chip.hbm_bytes)} HBM: {'fits' if r.fits else 'does NOT fit'}",
-      f"  estimate (XLA's FLOPs and bytes over {chip.bf16_flops_per_s / 1e12:.0f} TFLOP/s, "
+      f"  estimate (XLA's FLOPs and bytes{COST_SOURCES[r.cost_source]} over {chip.bf16_flops_per_s / 1e12:.0f} "
+      f"TFLOP/s, "
       f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s): plain step {r.plain_step_s * 1e3:.3f} ms, round of K = "
       f"{r.draft_len} {r.round_s * 1e3:.3f} ms = {r.round_cost:.2f} plain steps; at τ = {tau:g}: "
       f"{r.speedup(tau):.2f}x (estimate)", f"  attention: {r.attention}", *_describe_server(r)])
@@ -213,7 +220,7 @@ def _describe_server(r) -> list[str]:
 
 
 def compiled_json(r, tau: float = 3.0) -> dict:
-  return {"topology": f"tpu:{r.target.chip_name}:{r.target.topology}", "devices": r.devices,
+  return {"topology": str(r.target), "devices": r.devices, "cost_source": r.cost_source,
           **{k: getattr(r.program, k) for k in ("argument_bytes", "temp_bytes", "output_bytes", "code_bytes",
                                                 "total_bytes", "flops", "bytes_accessed")},
           "hbm_bytes": r.per_device.hbm_bytes, "fits": r.fits, "estimated_plain_step_s": r.plain_step_s,

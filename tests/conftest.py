@@ -46,7 +46,7 @@ BY_TIME = ("test_paging.py", "test_serve.py", "test_drafters.py", "test_constrai
            "test_hlo.py", "test_sharding.py", "test_stream.py", "test_tree.py", "test_train.py",
            "test_sampling.py", "test_cli.py", "test_cross_vocab.py", "test_adaptive.py", "test_calibration.py",
            "test_model.py", "test_gpu_check.py", "test_decode.py", "test_memory.py", "test_engine.py",
-           "test_suffix.py", "test_executables.py", "test_package.py", "test_head_formats.py",
+           "test_suffix.py", "test_executables.py", "test_accelerators.py", "test_package.py", "test_head_formats.py",
            "test_logprobs.py", "test_pallas_attention.py", "test_extension.py")
 
 

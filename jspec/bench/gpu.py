@@ -127,7 +127,7 @@ def target_section(config: ModelConfig, params, smoke: bool) -> dict:
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   bound = weight_bytes / (bw * 1e9) * 1e3
   out = {"params": num_params(config), "dtype": config.dtype, "bandwidth_gb_s": bw,
-         "attention": "XLA loop" if kernel is None else f"Pallas {kernel.backend} kernel",
+         "attention": pallas_attention.attention_name(kernel),
          "ar_ms_per_token": ms["auto"], "weight_streaming_bound_ms": bound, "bound_over_measured": bound / ms["auto"],
          "compile_seconds": runs["auto"]["compile_s"]}
   if kernel is not None:

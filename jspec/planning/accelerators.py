@@ -1,10 +1,12 @@
-"""jspec's programs compiled for accelerators that are not here: TPU topologies, from any machine.
+"""jspec's programs compiled for accelerators that are not here, from any machine: TPU topologies and NVIDIA GPUs.
 
-With `libtpu` installed (`pip install -e ".[tpu]"`), `jax.experimental.topologies` gives a topology's devices
-without owning them; the decode program, lowered with abstract weights sharded over a mesh of them, compiles
-for that hardware (Mosaic kernels included), and the executable says what XLA will allocate per device
-(`memory_analysis`) and how many FLOPs and bytes it moves (`cost_analysis`). The time estimates divide those
-by a chip's public peak figures (`CHIPS`): a roofline, not a measurement.
+With `libtpu` installed (`pip install -e ".[tpu]"`), or the CUDA plugin (`pip install -e ".[gpu-compile]"`,
+`jspec.planning.gpus`), `jax.experimental.topologies` gives the devices without owning them; the decode
+program, lowered with abstract weights sharded over a mesh of them, compiles for that hardware (Mosaic or
+Triton kernels included), and the executable says what XLA will allocate per device (`memory_analysis`) and
+how many FLOPs and bytes it moves (`cost_analysis`; the CUDA compiler reports none, so a GPU program's are
+the unoptimized module's, counted by XLA's cost analysis on this machine's CPU client). The time estimates
+divide those by a chip's public peak figures (`CHIPS`): a roofline, not a measurement.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec.decoding import batches, loop, programs
 from jspec.decoding.decoder import Decoder
 from jspec.model import sharding
-from jspec.planning import memory
+from jspec.model.kernels import pallas_attention
+from jspec.planning import gpus, memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,32 +33,43 @@ class Chip:
   source: str
 
 
-CHIPS = {
-    "v4": Chip(32 * 2 ** 30, 1200e9, 275e12, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": Chip(16 * 10 ** 9, 819e9, 197e12, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip(95 * 10 ** 9, 2765e9, 459e12, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip(32 * 10 ** 9, 1638e9, 918e12, "https://cloud.google.com/tpu/docs/v6e"),
+CHIPS = {  # by platform, then name
+    "tpu": {
+        "v4": Chip(32 * 2 ** 30, 1200e9, 275e12, "https://cloud.google.com/tpu/docs/v4"),
+        "v5e": Chip(16 * 10 ** 9, 819e9, 197e12, "https://cloud.google.com/tpu/docs/v5e"),
+        "v5p": Chip(95 * 10 ** 9, 2765e9, 459e12, "https://cloud.google.com/tpu/docs/v5p"),
+        "v6e": Chip(32 * 10 ** 9, 1638e9, 918e12, "https://cloud.google.com/tpu/docs/v6e"),
+    },
+    "gpu": {name: Chip(g.memory_bytes, g.bandwidth_bytes_per_s, g.bf16_flops_per_s, g.source)
+            for name, g in gpus.GPUS.items()},
 }
+SHAPES = {"tpu": ("TOPOLOGY", "tpu:v5e:2x4"), "gpu": ("COUNT", "gpu:h100:2")}  # what follows the chip
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """`tpu:v5e:2x4`: a chip and a topology of it."""
+  """`tpu:v5e:2x4` (a TPU chip and a topology of it) or `gpu:h100:2` (a GPU and how many, on one host)."""
   chip_name: str
   topology: str
+  platform: str = "tpu"
 
   @classmethod
   def parse(cls, text: str) -> Target:
     parts = text.split(":")
-    if len(parts) != 3 or parts[0] != "tpu" or parts[1] not in CHIPS or not all(
-        d.isdigit() and int(d) > 0 for d in parts[2].split("x")):
-      raise ValueError(f"--compile-for: expected tpu:CHIP:TOPOLOGY with CHIP one of {', '.join(CHIPS)} (e.g. "
-                       f"tpu:v5e:2x4), got {text!r}")
-    return cls(parts[1], parts[2])
+    platform = parts[0] if len(parts) == 3 and parts[0] in CHIPS else None
+    dims = parts[2].split("x") if platform == "tpu" else parts[2:]
+    if platform is None or parts[1] not in CHIPS[platform] or not all(d.isdigit() and int(d) > 0 for d in dims):
+      forms = "; ".join(f"{p}:CHIP:{SHAPES[p][0]} with CHIP one of {', '.join(CHIPS[p])} (e.g. {SHAPES[p][1]})"
+                        for p in CHIPS)
+      raise ValueError(f"--compile-for: expected {forms}; got {text!r}")
+    return cls(parts[1], parts[2], platform)
+
+  def __str__(self) -> str:
+    return f"{self.platform}:{self.chip_name}:{self.topology}"
 
   @property
   def chip(self) -> Chip:
-    return CHIPS[self.chip_name]
+    return CHIPS[self.platform][self.chip_name]
 
   @property
   def chips(self) -> int:
@@ -68,7 +82,10 @@ class Target:
     return Chip(int(c.hbm_bytes * share), c.hbm_bytes_per_s * share, c.bf16_flops_per_s * share, c.source)
 
   def devices(self) -> list:
-    """The topology's abstract devices (libtpu's); a missing libtpu is a one-line ValueError."""
+    """The topology's abstract devices (libtpu's, or the CUDA plugin's); a missing compiler is a one-line
+    ValueError."""
+    if self.platform == "gpu":
+      return gpus.devices(self.chip_name, self.chips)
     try:
       from jax.experimental import topologies
       return list(topologies.get_topology_desc(f"{self.chip_name}:{self.topology}", platform="tpu").devices)
@@ -87,20 +104,34 @@ class Compiled:
   flops: float
   bytes_accessed: float
   alias_bytes: int = 0  # outputs that reuse a donated argument's buffer
+  cost_source: str = "compiled"  # whose FLOPs and bytes: the executable's, or "unoptimized" (`unoptimized_cost`)
 
   @property
   def total_bytes(self) -> int:
     return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes + self.code_bytes
 
 
-def compiled(lowered) -> Compiled:
+def compiled(lowered, devices: int) -> Compiled:
+  """What XLA says of `lowered` compiled for its `devices` devices."""
   executable = lowered.compile()
   m = executable.memory_analysis()
-  cost = executable.cost_analysis() or {}
+  cost, source = executable.cost_analysis(), "compiled"
+  if not cost:
+    cost, source = unoptimized_cost(lowered, devices), "unoptimized"
   cost = cost[0] if isinstance(cost, list) else cost
   return Compiled(int(m.argument_size_in_bytes), int(m.temp_size_in_bytes), int(m.output_size_in_bytes),
                   int(m.generated_code_size_in_bytes), float(cost.get("flops", 0.0)),
-                  float(cost.get("bytes accessed", 0.0)), int(m.alias_size_in_bytes))
+                  float(cost.get("bytes accessed", 0.0)), int(m.alias_size_in_bytes), source)
+
+
+def unoptimized_cost(lowered, devices: int) -> dict[str, float]:
+  """XLA's FLOPs and bytes of `lowered`'s module before optimization, per device (the whole program's over its
+  devices: the sharded work splits evenly, a replicated part is counted once), by this machine's CPU client:
+  what a GPU program's estimate reads, since the CUDA compiler reports no cost of its executables."""
+  from jax._src.lib import _jax  # the analysis `Lowered.cost_analysis` runs, given a client that has one
+  module = lowered.compiler_ir("hlo").as_hlo_module()
+  cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+  return {k: cost.get(k, 0.0) / devices for k in ("flops", "bytes accessed")}
 
 
 def _shardings(tree):
@@ -126,7 +157,7 @@ class Report:
   plain_step_s: float
   round_s: float
   draft_len: int
-  attention: str  # what reads the caches: "Pallas TPU kernel" or "XLA loop"
+  attention: str  # what reads the caches: `pallas_attention.attention_name`
   server: dict[str, Compiled] | None = None  # "segment", "insert"
 
   @property
@@ -136,6 +167,10 @@ class Report:
   @property
   def fits(self) -> bool:
     return self.program.total_bytes <= self.per_device.hbm_bytes
+
+  @property
+  def cost_source(self) -> str:
+    return self.program.cost_source
 
   @property
   def round_cost(self) -> float:
@@ -166,18 +201,19 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
   program_decoder = place(decoder)
   abstract = sharding.place(memory.abstract_batch(program_decoder, batch, prompt_width, capacity), mesh)
-  program = compiled(programs.lower(program_decoder, abstract))
+  program = compiled(programs.lower(program_decoder, abstract), len(devices))
   placed = program_decoder if round_decoder is None else place(round_decoder)
   state = started_state(placed, abstract, capacity)
   per_device = target.per_device(len(devices))
   # The state donated, as the loop updates it in place: no copy of the caches into a fresh output counts.
   step_time = lambda step: roofline_seconds(compiled(jax.jit(step, in_shardings=_shardings((placed, state)),
-                                                             donate_argnums=1).lower(placed, state)), per_device)
+                                                             donate_argnums=1).lower(placed, state),
+                                                    len(devices)), per_device)
   plain = step_time(loop.autoregressive_step)
   spec_round = step_time(loop.speculative_step) if placed.drafter is not None else plain
   kernel = placed.kernel(placed.target_config.head_dim)
   report = Report(target, len(devices), program, plain, spec_round, placed.draft_len,
-                  "XLA loop" if kernel is None else f"Pallas {kernel.backend.upper()} kernel")
+                  pallas_attention.attention_name(kernel))
   if not serving:
     return report
   return dataclasses.replace(report, server=compile_server(program_decoder, batch, prompt_width, capacity))
@@ -188,10 +224,11 @@ def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: in
   over every slot and the insert of a request of `prompt_width` tokens into a running state. The state
   lives between calls (donated to each), so a segment's arguments hold it beside the weights."""
   mesh = decoder.layout.mesh
+  devices = mesh.devices.size
   idle = sharding.place(memory.abstract_batch(decoder, slots, batches.prompt_bucket(1), capacity), mesh)
   state = started_state(decoder, idle, capacity)
   one = sharding.place(memory.abstract_batch(decoder, 1, prompt_width, capacity), mesh)
   scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
   return {"segment": compiled(programs.segment.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
-                                                     scalar(jnp.bool_, (slots,)), width=slots)),
-          "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)))}
+                                                     scalar(jnp.bool_, (slots,)), width=slots), devices),
+          "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)), devices)}

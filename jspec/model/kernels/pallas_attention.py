@@ -38,6 +38,7 @@ GPU_QUERY_TILE = 64  # GPU: queries per program
 
 
 KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu"}  # a kernel's backend -> the jax platform it compiles for
+KERNEL_NAMES = {"tpu": "TPU (Mosaic)", "gpu": "GPU (Triton)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,16 @@ class Kernel:
   interpret: bool = False  # run through Pallas' interpreter (on a CPU)
   mesh: Any = None  # the program's mesh: the kernel then runs on each device over its own cache rows
   row_spec: Any = None  # how the cache's row axis is split on that mesh (a PartitionSpec entry)
+
+  @property
+  def name(self) -> str:
+    """What reads the caches, for reports."""
+    return f"Pallas {KERNEL_NAMES[self.backend]} kernel{' (interpreted)' * self.interpret}"
+
+
+def attention_name(kernel: Kernel | None) -> str:
+  """A program's attention, for reports: a kernel's name, or the reference loop's."""
+  return "XLA loop" if kernel is None else kernel.name
 
 
 def platform_of(mesh) -> str:
