@@ -160,8 +160,9 @@ def plan(args: argparse.Namespace):
     width, capacity = memory.shape(decoder, context, prompt_len, args.serving)
     fixed = None if spec is None else shaped.shaped_decoder(  # a round of K, not every offered K's branch
         target, draft, dataclasses.replace(spec, adaptive=None), args.batch_size, args.attention)
+    pages = result.pages + 1 if result.pages else None  # the engine's pool: its usable pages and a scratch page
     report = accelerators.compile_for(compile_for, decoder, args.batch_size, width, capacity, args.mesh,
-                                      not args.replicate_draft, fixed, args.serving)
+                                      not args.replicate_draft, fixed, args.serving, pages)
   return result, drafter, report
 
 

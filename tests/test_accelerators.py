@@ -64,15 +64,22 @@ def test_compile_for_a_tpu_topology_agrees_with_the_plan(tmp_path, capsys):
 def test_compile_for_an_h100_builds_the_triton_kernel_and_agrees_with_the_plan(tmp_path, capsys):
   """The decode program compiled for one H100 (XLA's CUDA passes, Triton and ptxas run here): the attention
   is jspec's Triton kernel, in the executable's HLO as Triton calls; the memory agrees with the plan as on a
-  TPU; the estimates come from the module's unoptimized cost (the CUDA compiler reports none)."""
+  TPU; the estimates come from the module's unoptimized cost (the CUDA compiler reports none). A server's
+  programs compile over its pool of pages: the segment's arguments hold the pools beside the weights."""
   target = _small(tmp_path)
-  assert plan.main(["--target", target, "--drafter", "ngram", "--batch-size", "4", "--context", "1024",
-                    "--compile-for", "gpu:h100:1", "--json"]) == 0
+  args = ["--target", target, "--drafter", "ngram", "--batch-size", "4", "--context", "1024", "--compile-for",
+          "gpu:h100:1", "--json"]
+  assert plan.main(args) == 0
   out = json.loads(capsys.readouterr().out)
   compiled = out["compiled"]
   assert compiled["attention"] == "Pallas GPU (Triton) kernel" and compiled["cost_source"] == "unoptimized"
   assert out["device_memory_bytes"] == compiled["hbm_bytes"] == 80 * 10 ** 9 and compiled["topology"] == "gpu:h100:1"
   _agrees_with_the_plan(out)
+  assert plan.main([*args, "--serving"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  weights, caches = out["weights_bytes"] + out["draft_weights_bytes"], out["kv_cache_bytes"]
+  pool = caches * (out["kv_pages"] + 1) / (out["kv_pages"])  # every slot's whole context, and a scratch page
+  assert out["compiled"]["server"]["segment"]["argument_bytes"] >= weights + pool
   devices = accelerators.Target.parse("gpu:h100:1").devices()
   assert devices[0].device_kind == gpus.GPUS["h100"].name
   decoder = sharding.place_decoder(sharding.make_mesh("model=1", devices),

@@ -433,10 +433,11 @@ def test_chat_completions_through_a_model_with_a_template_behind_a_key_over_tls(
 
 def test_two_processes_serve_one_model_split_over_both(target):
   """`--num-processes 2`: process 0 serves HTTP and process 1 follows, the target's kv heads split over the
-  two processes' devices. Greedy texts are the target's; an abort reaches both (the next request is still
-  exact, so the engines stayed in step); SIGTERM to the follower stops both, with status 0."""
+  two processes' devices, its paged KV cache too. Greedy texts are the target's; a prompt sent again finds
+  its first page cached (counted in /metrics); an abort reaches both (the next request is still exact, so
+  the engines stayed in step); SIGTERM to the follower stops both, with status 0."""
   flags = ["--target", MODEL, "--mesh", "model=2", "--coordinator", f"127.0.0.1:{free_port()}",
-           "--num-processes", "2", "--batch-size", "2", "--max-model-len", "128", "--drafter", "ngram",
+           "--num-processes", "2", "--batch-size", "2", "--max-model-len", "256", "--drafter", "ngram",
            "--draft-len", "2", "--no-adaptive"]
   follower = subprocess.Popen([sys.executable, "-m", "jspec.serve", *flags, "--process-id", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -448,15 +449,18 @@ def test_two_processes_serve_one_model_split_over_both(target):
                                                       temperature=0).choices[0].text
       with ThreadPoolExecutor(3) as pool:  # three requests through two slots: one starts in a freed row
         assert list(pool.map(text, PROMPTS[:3])) == [greedy(target, p, 16)[0] for p in PROMPTS[:3]]
+      long = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(12))  # over one page of tokens
+      assert text(long) == text(long) == greedy(target, long, 16)[0]
+      assert metric(url, "jspec:prefix_cache_hits_total") >= 128
       body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 100, "ignore_eos": True, "stream": True}
       with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         next(r.iter_lines())
       wait_idle(url)
-      assert metric(url, "jspec:request_success_total") == 4  # the abort counts
+      assert metric(url, "jspec:request_success_total") == 6  # the abort counts
       assert text(PROMPTS[4]) == greedy(target, PROMPTS[4], 16)[0]
       follower.send_signal(signal.SIGTERM)
       assert proc.wait(timeout=30) == 0 and follower.wait(timeout=30) == 0
-      assert "process 1: stopped after 5 requests" in follower.stdout.read()
+      assert "process 1: stopped after 7 requests" in follower.stdout.read()
     finally:
       stop(proc)
   finally:

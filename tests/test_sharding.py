@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.slow  # meshes of simulated devices in subprocesses
 
 WORKER = pathlib.Path(__file__).resolve().parent / "mesh_worker.py"
+PAGED_WORKER = WORKER.parent / "paged_mesh_worker.py"
 
 
 def _env(devices: int) -> dict:
@@ -77,6 +78,25 @@ def test_collectives_per_round(eight_devices, mesh):
   data_only = eight_devices["meshes"]["data=8"]["collectives"]["replicated"]["drafter"]
   assert counts["replicated"]["drafter"] == ({"all-reduce": 0, "all-gather": 0} if mesh == "model=8" else data_only)
   assert counts["sharded"]["drafter"]["all-reduce"] > data_only["all-reduce"]
+
+
+def test_paged_engines_on_a_mesh_give_one_devices_tokens_with_no_more_collectives(tmp_path):
+  """An engine's paged KV cache on `model=8` (kv heads split 8 ways, every page on every device), with
+  each drafter kind: requests arriving mid-decode, a cached 200-token prefix, chunked prefill and
+  preemption give one device's tokens, prefix hits and preemptions; the paged segment's loop has no
+  collective the contiguous program's loop lacks."""
+  out = tmp_path / "paged.json"
+  proc = subprocess.run([sys.executable, str(PAGED_WORKER), str(out), "model=8"], env=_env(8), capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for kind, runs in json.loads(out.read_text()).items():
+    single, sharded = runs["single"], runs["model=8"]
+    assert sharded["tokens"] == single["tokens"], kind
+    assert sharded["prefix_hits"] == single["prefix_hits"] >= 3 * 128, kind  # the shared prefix's full pages
+    assert sharded["preemptions"] == single["preemptions"] > 0, kind
+    if "collectives" in sharded:
+      paged, contiguous = sharded["collectives"]["paged"], sharded["collectives"]["contiguous"]
+      assert paged and all(c[op] <= contiguous[op] for c in paged for op in c), (paged, contiguous)
 
 
 def _free_port() -> int:

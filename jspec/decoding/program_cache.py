@@ -134,10 +134,11 @@ def release_executables() -> None:
 
 
 class ProgramCache:
-  """An engine's programs (through `compiled`), found by `key(name, args, static)`: what tells them apart
-  beyond the engine's fixed shapes, cheaper to compute than hashing every argument's shape and static field,
-  which costs more than a segment's call. After `compile_in_background`, a program not ready compiles on a
-  thread of its own and `get(..., wait=False)` answers None meanwhile. `quiet` logs compiles at DEBUG."""
+  """An engine's programs (through `compiled`), found by `key(name, args, static)` (a tuple whose first item is
+  the name): what tells them apart beyond the engine's fixed shapes, cheaper to compute than hashing every
+  argument's shape and static field, which costs more than a segment's call. After `compile_in_background`,
+  a program not ready compiles on a thread of its own and `get(..., wait=False)` answers None meanwhile.
+  `quiet` logs compiles at DEBUG."""
 
   def __init__(self, key: Callable[[str, tuple, dict], Hashable]):
     self._key = key
@@ -151,6 +152,11 @@ class ProgramCache:
 
   def __len__(self) -> int:
     return len(self._executables)
+
+  def ready(self, name: str) -> list:
+    """The executables ready for program `name` (keys begin with the program's name)."""
+    with self._lock:
+      return [e for key, e in self._executables.items() if key[0] == name]
 
   def has(self, name: str, args: tuple, static: dict) -> bool:
     """Whether the program is ready."""

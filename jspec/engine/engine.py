@@ -93,14 +93,17 @@ class Engine:
     self.prompt_width, self.capacity = memory.shape(decoder, max_len, max_len - 1, serving=True)
     budget = machine.budget(layout and layout.mesh, memory_fraction)
     self.kv_pages: KVPages | None = None
-    if layout is None:
-      usable = memory.pool_pages(decoder, slots, max_len, pages, memory=budget)
+    mesh = layout and layout.mesh
+    if mesh is None or mesh.shape["data"] == 1:  # pools split kv heads over "model", as rows do
+      usable = memory.pool_pages(decoder, slots, max_len, pages, mesh, not (layout and layout.draft_replicated),
+                                 memory=budget)
       lookahead = 0 if decoder.drafter is None else decoder.drafter.prefix_lookahead
       self.kv_pages = KVPages(usable, slots, self.capacity // kvcache.PAGE_SIZE, prefix_caching, lookahead)
     elif pages is not None:
-      raise ValueError("pages: a paged cache runs on one device (a mesh keeps whole rows)")
+      raise ValueError("pages: a paged cache splits kv heads over the model axis; a mesh with a data axis "
+                       "keeps whole rows")
     else:
-      memory.check(decoder, slots, max_len, max_len - 1, layout.mesh, not layout.draft_replicated, serving=True,
+      memory.check(decoder, slots, max_len, max_len - 1, mesh, not layout.draft_replicated, serving=True,
                    memory=budget)
     self.num_preemptions = 0
     self.batcher = Batcher(decoder, tokenizer, max_len, self.prompt_width, self.capacity, max_logprobs, self.kv_pages)

@@ -41,7 +41,8 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
     block_of = lambda buf, i: lax.dynamic_slice_in_dim(buf, i * block, block, axis=1)
   else:
     rows, capacity = batch * k_XxTxDh.shape[1], page_table_BxR.shape[1] * BLOCK_SIZE
-    block_of = lambda buf, i: buf[page_table_BxR[:, i]].reshape(rows, BLOCK_SIZE, head_dim)
+    order = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)  # [B, J, ...] pages -> the query rows' order
+    block_of = lambda buf, i: buf[page_table_BxR[:, i]].transpose(order).reshape(rows, BLOCK_SIZE, head_dim)
   rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, scale, k_XxTxDh.dtype, tree_BxSxA)
   if kernel is not None:
     out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap, page_table_BxR)

@@ -11,7 +11,8 @@ matmul either.
 Paged (`page_table` set): each layer's buffers are a pool of pages, `[pages, J, PAGE_SIZE, Dh]`, and row b's
 slots `[r*PAGE_SIZE, (r+1)*PAGE_SIZE)` live in page `page_table[b, r]`. A page is an attention block, so
 attention reads a row's blocks through its page table. Rows may share a page (a common prefix) as long as
-neither writes into it. Pools are batch-major only.
+neither writes into it. A pool is read and written with its J kv heads whole (the axis a mesh splits), and
+`heads_major` orders the rows attention makes of a block as contiguous caches order theirs.
 
 Row b holds its tokens in slots `[0, lengths[b])`. Writing S new tokens puts them at `lengths[b]`;
 anything past a row's length is stale and masked out, so rollback is only a smaller `lengths`.
@@ -57,13 +58,22 @@ class KVCache:
     """Slots each row may hold."""
     return self.k[0].shape[1] if self.page_table is None else self.page_table.shape[1] * PAGE_SIZE
 
-  def locate(self, b, j, slot) -> tuple:
-    """The index into a buffer of batch row b's kv head j at `slot` (arrays broadcast); a slot past a
-    paged row's capacity is in no page (one past the pool's last, which a scatter drops)."""
+  def locate(self, slots_BxS: jax.Array) -> tuple:
+    """The index into a buffer of each row's `slots_BxS`, all kv heads: `buf[index]` is `[B, J, S, Dh]`
+    (contiguous) or `[B, S, J, Dh]` (paged, the heads a slice: a mesh's split of them stays on each device).
+    A slot past a paged row's capacity is in no page (one past the pool's last, which a scatter drops)."""
     if self.page_table is None:
-      return self.row(b, j, self.lengths.shape[0], self.kv_heads), slot
-    page = self.page_table[b, jnp.minimum(slot // PAGE_SIZE, self.page_table.shape[1] - 1)]
-    return jnp.where(slot < self.capacity, page, self.k[0].shape[0]), j, slot % PAGE_SIZE
+      batch = slots_BxS.shape[0]
+      b, j = jnp.arange(batch)[:, None, None], jnp.arange(self.kv_heads)[None, :, None]
+      return self.row(b, j, batch, self.kv_heads), slots_BxS[:, None, :]
+    table = self.page_table
+    page_BxS = jnp.take_along_axis(table, jnp.minimum(slots_BxS // PAGE_SIZE, table.shape[1] - 1), axis=1)
+    return jnp.where(slots_BxS < self.capacity, page_BxS, self.k[0].shape[0]), slice(None), slots_BxS % PAGE_SIZE
+
+  def read(self, buf: jax.Array, slots_BxS: jax.Array) -> jax.Array:
+    """Each row's entries at `slots_BxS` of one of this cache's buffers: `[B, S, J, Dh]`."""
+    entries = buf[self.locate(slots_BxS)]
+    return entries if self.page_table is not None else entries.transpose(0, 2, 1, 3)
 
   def rewind(self, lengths_B: jax.Array) -> KVCache:
     """Rolls each row back (or forward over slots already written) to `lengths_B`. Nothing is copied."""
@@ -93,9 +103,7 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, heads_major: bool
 
 
 def paged(cache: KVCache, page_table_BxR: jax.Array, pages: int) -> KVCache:
-  """`cache` (empty, batch-major) as a pool of `pages` pages read through `page_table_BxR`."""
-  if cache.heads_major:
-    raise ValueError("a paged cache is batch-major (a mesh that splits kv heads cannot page it)")
+  """`cache` (empty) as a pool of `pages` pages read through `page_table_BxR`."""
   shape = (pages, cache.kv_heads, PAGE_SIZE, cache.k[0].shape[2])
   zeros = lambda bufs: tuple(jnp.zeros(shape, b.dtype) for b in bufs)
   return cache.replace(k=zeros(cache.k), v=zeros(cache.v), page_table=page_table_BxR.astype(jnp.int32))
@@ -162,6 +170,5 @@ def write(cache: KVCache, buf: jax.Array, new_BxSxJxDh: jax.Array) -> jax.Array:
         buf = lax.dynamic_update_slice(buf, new_BxJxSxDh[b, j:j + 1], (cache.row(b, j, batch, kv_heads),
                                                                         lengths_B[b], 0))
     return buf
-  at = cache.locate(jnp.arange(batch)[:, None, None], jnp.arange(kv_heads)[None, :, None],
-                    (lengths_B[:, None] + jnp.arange(seq))[:, None, :])
-  return buf.at[at].set(new_BxJxSxDh, mode="drop")
+  at = cache.locate(lengths_B[:, None] + jnp.arange(seq))
+  return buf.at[at].set(new_BxJxSxDh if contiguous else new_BxSxJxDh.astype(buf.dtype), mode="drop")

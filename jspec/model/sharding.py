@@ -128,6 +128,15 @@ def cache_layout(batch: int, config: ModelConfig | None, mesh: Mesh) -> CacheLay
                      heads_major=axes[0] == "model")
 
 
+def pool_spec(layout: CacheLayout) -> PartitionSpec:
+  """How a paged cache's pools `[pages, J, PAGE_SIZE, Dh]` lie where contiguous caches lie as `layout` says:
+  kv heads over "model" where they split, every page on every device. A data axis that splits the rows
+  does not page (`jspec.engine.engine.Engine` refuses it)."""
+  if layout.spec and "data" in jax.tree.leaves(layout.spec[0]):
+    raise ValueError("pages: a paged cache splits kv heads over the model axis; a data axis is not paged")
+  return PartitionSpec(None, "model", None, None) if layout.heads_major else PartitionSpec()
+
+
 def named(mesh: Mesh, specs: Any) -> Any:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -151,11 +160,14 @@ class Layout:
     """Gives the target's and the drafter's fresh (empty) KV caches their row order and pins their buffers
     to their specs; the loop keeps them there."""
     def pin(layout: CacheLayout):
-      constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, layout.spec))
       kernel = lambda c: c.kernel and dataclasses.replace(c.kernel, mesh=self.mesh, row_spec=layout.spec[0]
                                                           if layout.spec else None)
-      return lambda c: c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)),
-                                 heads_major=layout.heads_major, kernel=kernel(c))
+      def pinned(c):
+        spec = layout.spec if c.page_table is None else pool_spec(layout)
+        constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)),
+                         heads_major=layout.heads_major, kernel=kernel(c))
+      return pinned
     is_cache = lambda x: isinstance(x, KVCache)
     return state.replace(
         target_cache=pin(self.target_cache)(state.target_cache),

@@ -189,13 +189,13 @@ def roofline_seconds(cost: Compiled, chip: Chip) -> float:
 
 def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int, capacity: int,
                 mesh_spec: str | None = None, shard_draft: bool = True, round_decoder: Decoder | None = None,
-                serving: bool = False) -> Report:
+                serving: bool = False, pages: int | None = None) -> Report:
   """Compiles the decode program of `decoder` (abstract weights: `jspec.planning.shaped.shaped_decoder`) for
   `target`'s devices, on `mesh_spec` (default: every device on the model axis), and estimates a plain step
   and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
   round would count every offered K's branch), each compiled on its own over the state a prefill leaves. XLA counts
   a loop's body once: the drafter's chained steps inside a round count as one. With
-  `serving`, also the server's programs for `batch` slots (`compile_server`)."""
+  `serving`, also the server's programs for `batch` slots over a pool of `pages` pages (`compile_server`)."""
   devices = target.devices()
   mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
   place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
@@ -216,18 +216,21 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
                   pallas_attention.attention_name(kernel))
   if not serving:
     return report
-  return dataclasses.replace(report, server=compile_server(program_decoder, batch, prompt_width, capacity))
+  return dataclasses.replace(report, server=compile_server(program_decoder, batch, prompt_width, capacity, pages))
 
 
-def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: int) -> dict[str, Compiled]:
+def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: int,
+                   pages: int | None = None) -> dict[str, Compiled]:
   """The server's programs (`jspec.engine.engine.Engine`) for a decoder placed on a mesh: a segment of the loop
-  over every slot and the insert of a request of `prompt_width` tokens into a running state. The state
-  lives between calls (donated to each), so a segment's arguments hold it beside the weights."""
+  over every slot and the insert of a request of `prompt_width` tokens into a running state, whose caches
+  are pools of `pages` pages where the engine pages them (a mesh without a data axis), else contiguous
+  rows. The state lives between calls (donated to each), so a segment's arguments hold it beside the weights."""
   mesh = decoder.layout.mesh
   devices = mesh.devices.size
-  idle = sharding.place(memory.abstract_batch(decoder, slots, batches.prompt_bucket(1), capacity), mesh)
+  pages = pages if mesh.shape["data"] == 1 else None
+  idle = sharding.place(memory.abstract_batch(decoder, slots, batches.prompt_bucket(1), capacity, pages), mesh)
   state = started_state(decoder, idle, capacity)
-  one = sharding.place(memory.abstract_batch(decoder, 1, prompt_width, capacity), mesh)
+  one = sharding.place(memory.abstract_batch(decoder, 1, prompt_width, capacity, pages, pages is not None), mesh)
   scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
   return {"segment": compiled(programs.segment.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
                                                      scalar(jnp.bool_, (slots,)), width=slots), devices),

@@ -62,12 +62,18 @@ def axis_sizes(mesh) -> dict[str, int]:
   return {a: 1 for a in sharding.AXES} if mesh is None else dict(mesh.shape)
 
 
-def abstract_batch(decoder: Decoder, batch: int, prompt_width: int, capacity: int) -> Batch:
-  """The shapes of a `Batch` of `batch` rows (nothing allocated, whatever its size)."""
+def abstract_batch(decoder: Decoder, batch: int, prompt_width: int, capacity: int, pages: int | None = None,
+                   prefill: bool = False) -> Batch:
+  """The shapes of a `Batch` of `batch` rows (nothing allocated, whatever its size); with `pages`, rows read
+  their caches through page tables into pools of that many pages (`prefill`: a server's prefill of a prompt
+  after its cached pages, as `jspec.engine.batcher.Batcher.batch` makes it)."""
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch, *np.shape(x)[1:]), np.asarray(x).dtype),
                           sampling_arrays(batches.GREEDY, 1))
-  return Batch(prompts_BxP=i32(batch, prompt_width), prompt_lens_B=i32(batch), max_new_tokens_B=i32(batch),
+  paged = {} if pages is None else {"page_table_BxR": i32(batch, capacity // kvcache.PAGE_SIZE), "pages": pages}
+  if prefill:
+    paged.update(cached_B=i32(batch), prefill_width=prompt_width)
+  return Batch(**paged, prompts_BxP=i32(batch, prompt_width), prompt_lens_B=i32(batch), max_new_tokens_B=i32(batch),
                   sampling=sampling, seeds_B=jax.ShapeDtypeStruct((batch,), jnp.uint32),
                   stop_BxE=i32(batch, max(1, len(decoder.target_config.stop_ids))),
                   speculate_B=jax.ShapeDtypeStruct((batch,), jnp.bool_),

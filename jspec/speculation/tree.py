@@ -178,11 +178,9 @@ def compact(cache: KVCache, base_B: jax.Array, path_BxL1: jax.Array) -> KVCache:
   """Moves each row's accepted path, written at slots `base + path`, into the contiguous slots
   `base + 0..L` of every layer: a gather of L1 entries per row, then the cache's in-place row update.
   Returns the cache with the lengths it had (the caller rewinds it)."""
-  batch = path_BxL1.shape[0]
-  at = cache.locate(jnp.arange(batch)[:, None, None], jnp.arange(cache.kv_heads)[None, :, None],
-                    (base_B[:, None] + path_BxL1)[:, None, :])
+  slots_BxL1 = base_B[:, None] + path_BxL1
   at_base = cache.rewind(base_B)
-  move = lambda buf: kvcache.write(at_base, buf, buf[at].transpose(0, 2, 1, 3))
+  move = lambda buf: kvcache.write(at_base, buf, cache.read(buf, slots_BxL1))
   return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 

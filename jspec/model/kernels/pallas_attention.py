@@ -90,16 +90,29 @@ def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   head_dim = k_XxTxDh.shape[-1]
   if kernel.backend == "gpu" and head_dim & (head_dim - 1):
     raise ValueError(f"the GPU attention kernel needs a power-of-two head dim, not {head_dim}: use --attention xla")
-  call = functools.partial(_tpu if kernel.backend == "tpu" else _gpu, window=window, softcap=softcap,
-                           seq=rows.seq, interpret=kernel.interpret)
-  if page_table_BxR is not None:
-    call = functools.partial(call, table=page_table_BxR)
-  args = (rows.q_XxQSxDh, k_XxTxDh, v_XxTxDh, rows.qpos_XxQS, rows.start_X) + (
+  run = functools.partial(_tpu if kernel.backend == "tpu" else _gpu, window=window, softcap=softcap,
+                          seq=rows.seq, interpret=kernel.interpret)
+  per_row = (rows.q_XxQSxDh, rows.qpos_XxQS, rows.start_X) + (
       () if rows.tree_XxQSxA is None else (rows.tree_XxQSxA,))
-  if kernel.mesh is not None:
-    spec = PartitionSpec(kernel.row_spec)
-    call = jax.shard_map(call, mesh=kernel.mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)
-  return call(*args)
+
+  def call(k, v, table, *per_row):
+    if table is None:
+      return run(per_row[0], k, v, *per_row[1:])
+    # The paged kernels read batch-major rows; on a mesh that splits kv heads the rows are heads-major.
+    heads, batch = k.shape[1], table.shape[0]
+    swap = lambda x, h, b: x.reshape(h, b, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+    if kernel.row_spec is not None:
+      per_row = tuple(swap(x, heads, batch) for x in per_row)
+    q, *rest = per_row
+    out = run(q, k, v, *rest, table=table)
+    return out if kernel.row_spec is None else swap(out, batch, heads)
+
+  if kernel.mesh is not None:  # each device on its own rows, and (paged) its kv heads of every page
+    rows_spec = PartitionSpec(kernel.row_spec)
+    cache_spec = rows_spec if page_table_BxR is None else PartitionSpec(None, kernel.row_spec)
+    call = jax.shard_map(call, mesh=kernel.mesh, check_vma=False, out_specs=rows_spec,
+                         in_specs=(cache_spec, cache_spec, PartitionSpec(), *(rows_spec,) * len(per_row)))
+  return call(k_XxTxDh, v_XxTxDh, page_table_BxR, *per_row)
 
 
 def _cost(q: jax.Array, capacity: int, cache_bytes: int) -> pl.CostEstimate:
