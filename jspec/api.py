@@ -246,7 +246,7 @@ def make_engine(target: Model, *, draft: Model | Heads | None = None, spec: Spec
   The slots must fit `memory_fraction` of the device (`jspec.planning.memory`; a ValueError says what would);
   `slots=None` takes as many as fit, up to `DEFAULT_SLOTS`. The slots share a pool of `pages` KV pages of
   `jspec.model.cache.PAGE_SIZE` tokens (default: as many as fit, at most every slot's whole context; on a mesh,
-  one whose data axis is 1, each page's kv heads split over "model"; a data axis keeps whole rows), and with
+  each page's kv heads split over "model", and a pool of its own per data shard), and with
   `prefix_caching` a prompt shares the cached pages of its longest prefix an earlier one left;
   `max_prefill_tokens` bounds the prompt tokens prefilled between two segments (None: whole prompts).
   `max_logprobs` > 0 lets requests ask for log-probabilities (`Request.logprobs`), with up to that many of the

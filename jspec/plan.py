@@ -160,7 +160,8 @@ def plan(args: argparse.Namespace):
     width, capacity = memory.shape(decoder, context, prompt_len, args.serving)
     fixed = None if spec is None else shaped.shaped_decoder(  # a round of K, not every offered K's branch
         target, draft, dataclasses.replace(spec, adaptive=None), args.batch_size, args.attention)
-    pages = result.pages + 1 if result.pages else None  # the engine's pool: its usable pages and a scratch page
+    # the engine's pool: its usable pages and each data shard's scratch page
+    pages = result.pages + memory.page_shards(mesh, args.batch_size) if result.pages else None
     report = accelerators.compile_for(compile_for, decoder, args.batch_size, width, capacity, args.mesh,
                                       not args.replicate_draft, fixed, args.serving, pages)
   return result, drafter, report
@@ -183,8 +184,9 @@ def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
            f"  largest context at {rows(p.batch)}: {p.max_context:,} tokens"]
   if p.pages is not None:
     mean = mean_len(args, p)
-    lines.append(f"  paged KV cache: {p.pages:,} pages of {PAGE_SIZE} tokens, {rows(p.rows_at(mean))} of {mean:,} "
-                 f"tokens at once (of {p.batch} slots)")
+    held = f" ({p.pages_per_device:,} on each device)" if p.page_shards > 1 else ""
+    lines.append(f"  paged KV cache: {p.pages:,} pages of {PAGE_SIZE} tokens{held}, {rows(p.rows_at(mean))} of "
+                 f"{mean:,} tokens at once (of {p.batch} slots)")
   return "\n".join(lines)
 
 

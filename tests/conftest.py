@@ -22,6 +22,8 @@ if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
 if "JSPEC_COMPILE_CACHE" not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ:
   os.environ["JSPEC_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jspec-test-xla-")
   atexit.register(shutil.rmtree, os.environ["JSPEC_COMPILE_CACHE"], ignore_errors=True)
+# libtpu, where installed, takes a machine-wide lock unless told that several processes (test workers) load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Cross-tokenizer tables likewise (`jspec.text.vocab_map`).
 if "JSPEC_VOCAB_MAP_DIR" not in os.environ or "PYTEST_XDIST_WORKER" not in os.environ:
   os.environ["JSPEC_VOCAB_MAP_DIR"] = tempfile.mkdtemp(prefix="jspec-test-vocab-")

@@ -50,6 +50,25 @@ def _models(kind: str, pair):
       else testing.fixed_k(3, drafter=heads_kind))
 
 
+def test_kv_pages_split_over_data_shards_keep_each_shards_pages_and_prefixes_to_it():
+  """Two data shards of 3 pages and 2 slots each: shard 1's slots hold pages numbered after shard 0's pool
+  (its 3 pages and a scratch page), a slot grows only into its own shard's free pages, a cached prefix is
+  found only by its shard's slots, and idle or unready rows point at their shard's scratch page."""
+  size = kvcache.PAGE_SIZE
+  pool = KVPages(pages=6, slots=4, pages_per_row=3, shards=2)
+  assert (pool.pages, pool.shard_pages, pool.pool_size) == (6, 3, 8)
+  assert pool.rows(None, 4)[:, 0].tolist() == [NULL_PAGE, NULL_PAGE, 4 + NULL_PAGE, 4 + NULL_PAGE]
+  prompt = list(range(2 * size + 5))
+  assert pool.allocate(2, prompt, 2 * size + 5) == 0 and set(pool.table[2].tolist()) <= {5, 6, 7}
+  pool.started(2, prompt, 0)
+  assert pool.allocate(0, prompt, 2 * size + 5) == 0  # shard 0 has none of shard 1's cached pages
+  assert pool.allocate(3, prompt, 2 * size + 5) is None  # shard 1's 3 pages are slot 2's
+  assert pool.allocate(3, prompt, 2 * size) == 2 * size and (pool.table[3, :2] == pool.table[2, :2]).all()
+  assert not pool.grow(1, size) and pool.num_free == 0  # shard 0's pages are slot 0's
+  table = pool.changed_table(unready=[3])
+  assert table[3].tolist() == [4 + NULL_PAGE] * 3 and table[0].max() <= 3
+
+
 def _decoder(kind: str, pair):
   return make_decoder(pair[0], *_models(kind, pair), len(PROMPTS))
 

@@ -77,14 +77,23 @@ def test_the_tpu_kernel_compiles_for_a_v5e_topology():
     lowered = jax.jit(fn).lower(*args, tree)
     assert "tpu_custom_call" in lowered.as_text()
     assert lowered.compile().memory_analysis().argument_size_in_bytes > 0
-  # A pool of pages read through a page table, on one chip (the server's paged caches are unsharded).
+  # Pools of pages read through a page table: on one chip, and on the four with each one's kv heads of every
+  # page (heads-major rows) and on two data shards of two (each shard's pages its own).
   one = NamedSharding(Mesh(devices[:, :1], ("data", "model")), PartitionSpec())
-  pool = _abstract((20, kv_heads, 128, head_dim), jnp.bfloat16, one)
-  paged = lambda q, k, v, lengths, table: attention.cached_attention(q, k, v, lengths, page_table_BxR=table,
-                                                                     kernel=Kernel("tpu"))
-  lowered = jax.jit(paged).lower(_abstract((batch, seq, heads, head_dim), jnp.bfloat16, one), pool, pool,
-                                 _abstract((batch,), jnp.int32, one), _abstract((batch, 8), jnp.int32, one))
-  assert "tpu_custom_call" in lowered.as_text() and lowered.compile() is not None
+  both = Mesh(devices.reshape(2, 2), ("data", "model"))
+  layouts = [(Kernel("tpu"), False, 1, one, one, one, one),
+             (kernel, True, 1, split(None, None, "model"), split(None, "model"), split(), split()),
+             (Kernel("tpu", mesh=both, row_spec=("model", "data")), True, 2,
+              NamedSharding(both, PartitionSpec("data", None, "model")),
+              NamedSharding(both, PartitionSpec("data", "model")), NamedSharding(both, PartitionSpec("data")),
+              NamedSharding(both, PartitionSpec("data")))]
+  for kernel_, heads_major, shards, q_at, pool_at, rows_at, table_at in layouts:
+    pool = _abstract((20, kv_heads, 128, head_dim), jnp.bfloat16, pool_at)
+    paged = lambda q, k, v, lengths, table: attention.cached_attention(
+        q, k, v, lengths, heads_major, page_table_BxR=table, kernel=kernel_, page_shards=shards)
+    lowered = jax.jit(paged).lower(_abstract((batch, seq, heads, head_dim), jnp.bfloat16, q_at), pool, pool,
+                                   _abstract((batch,), jnp.int32, rows_at), _abstract((batch, 8), jnp.int32, table_at))
+    assert "tpu_custom_call" in lowered.as_text() and lowered.compile() is not None
 
 
 def test_the_gpu_kernel_lowers_to_triton():

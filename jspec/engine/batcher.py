@@ -98,7 +98,7 @@ class Batcher:
         top_logprobs=self.max_logprobs)
     batch = batch.replace(max_new_tokens_B=np.asarray([r.max_new_tokens for r in reqs], np.int32))
     if self.kv_pages is not None:
-      batch = batch.replace(page_table_BxR=self.kv_pages.rows(slot, len(reqs)), pages=self.kv_pages.pages + 1)
+      batch = batch.replace(page_table_BxR=self.kv_pages.rows(slot, len(reqs)), pages=self.kv_pages.pool_size)
     if width is not None:
       batch = batch.replace(cached_B=np.full((1,), cached, np.int32), prefill_width=width)
     layout = self.decoder.layout

@@ -94,17 +94,13 @@ class Engine:
     budget = machine.budget(layout and layout.mesh, memory_fraction)
     self.kv_pages: KVPages | None = None
     mesh = layout and layout.mesh
-    if mesh is None or mesh.shape["data"] == 1:  # pools split kv heads over "model", as rows do
-      usable = memory.pool_pages(decoder, slots, max_len, pages, mesh, not (layout and layout.draft_replicated),
-                                 memory=budget)
-      lookahead = 0 if decoder.drafter is None else decoder.drafter.prefix_lookahead
-      self.kv_pages = KVPages(usable, slots, self.capacity // kvcache.PAGE_SIZE, prefix_caching, lookahead)
-    elif pages is not None:
-      raise ValueError("pages: a paged cache splits kv heads over the model axis; a mesh with a data axis "
-                       "keeps whole rows")
-    else:
-      memory.check(decoder, slots, max_len, max_len - 1, mesh, not layout.draft_replicated, serving=True,
-                   memory=budget)
+    # On a mesh the pools lie as the rows do (`jspec.model.sharding.pool_spec`): kv heads over "model", and
+    # pages over "data" where it splits the slots, each data shard's slots holding its own pages.
+    usable = memory.pool_pages(decoder, slots, max_len, pages, mesh, not (layout and layout.draft_replicated),
+                               memory=budget)
+    lookahead = 0 if decoder.drafter is None else decoder.drafter.prefix_lookahead
+    self.kv_pages = KVPages(usable, slots, self.capacity // kvcache.PAGE_SIZE, prefix_caching, lookahead,
+                            memory.page_shards(mesh, slots))
     self.num_preemptions = 0
     self.batcher = Batcher(decoder, tokenizer, max_len, self.prompt_width, self.capacity, max_logprobs, self.kv_pages)
     self._prefilling = Prefills(max_prefill_tokens, paged=self.kv_pages is not None)
@@ -133,9 +129,10 @@ class Engine:
     """Raises a one-line ValueError for a request this engine cannot serve."""
     self.batcher.check(req)
     whole = pages_for(self._written(req, req.max_new_tokens))
-    if self.kv_pages is not None and whole > self.kv_pages.pages:
+    if self.kv_pages is not None and whole > self.kv_pages.shard_pages:
       raise ValueError(f"the request needs {whole} KV pages of {kvcache.PAGE_SIZE} tokens (its prompt, its "
-                       f"max_tokens and a round's headroom); the pool holds {self.kv_pages.pages}")
+                       f"max_tokens and a round's headroom); the pool holds {self.kv_pages.shard_pages}"
+                       + " per data shard" * (self.kv_pages.shard_pages < self.kv_pages.pages))
 
   def add(self, req: Request, request_id: Hashable | None = None) -> Hashable:
     """Queues a request (checked first); returns its id (`request_id`, else a new integer)."""
@@ -307,16 +304,17 @@ class Engine:
   def _grow(self, rounds: int) -> None:
     """Gives every running row the pages it may write into by the end of a next segment of `rounds` (and of
     the segments set going whose tokens are unread), oldest first, preempting the youngest when the pool
-    runs out; then the device reads the new page table."""
+    runs out (of the same data shard's pages); then the device reads the new page table."""
     if self.kv_pages is None:
       return
-    holders = lambda: {**{b: r for b, r in enumerate(self._running) if r is not None},
-                       **self._prefilling.runs()}
+    shard = self.kv_pages.shard
+    holders = lambda b: {v: r for v, r in {**{v: r for v, r in enumerate(self._running) if r is not None},
+                                           **self._prefilling.runs()}.items() if shard(v) == shard(b)}
     for _, b in sorted((r.admitted, b) for b, r in enumerate(self._running) if r is not None):
       run = self._running[b]
       while run is not None and not self.kv_pages.grow(b, self._written(run.request, run.sent,
                                                                         run.unread_rounds + rounds)):
-        self._preempt(max((r.admitted, v) for v, r in holders().items())[1])
+        self._preempt(max((r.admitted, v) for v, r in holders(b).items())[1])
         run = self._running[b]
     table = self.kv_pages.changed_table(unready=list(self._prefilling))
     if table is not None:
@@ -449,7 +447,7 @@ class Engine:
       return []
     for n in self._prefilling.prompt_lens(self.max_len):
       warm = Request([0] * n, 1)
-      if self.kv_pages is None or pages_for(self._written(warm, 1)) <= self.kv_pages.pages:
+      if self.kv_pages is None or pages_for(self._written(warm, 1)) <= self.kv_pages.shard_pages:
         self.program_cache.get("insert", programs.insert, self._insert_args(0, warm, None, 0), False)
     for width in self._prefilling.chunk_widths:
       if width + 2 < self.max_len:

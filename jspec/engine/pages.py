@@ -144,29 +144,56 @@ class KVPages:
   request, the prefix's found in the prefix cache and the rest given fresh (`allocate`), grown ahead of each
   segment (`grow`), and let go (`free`), its full final pages cached. A page is keyed with the `lookahead`
   tokens after it that a drafter's cache reads there (`Drafter.prefix_lookahead`). Counts the prompt tokens
-  looked up in the prefix cache and those found there."""
+  looked up in the prefix cache and those found there.
 
-  def __init__(self, pages: int, slots: int, pages_per_row: int, prefix_caching: bool = True, lookahead: int = 0):
-    self._pool = PageTable(pages, slots, pages_per_row)
+  With `shards` > 1 (a pool split over a mesh's data axis, `jspec.model.cache.take_pages`) the slots and the
+  pages split into that many shards in order, each a pool of its own with its own scratch page: shard d's
+  slots hold only its pages (numbered from d * (pages / shards + 1) in the table the device reads), and find
+  only its cached prefixes."""
+
+  def __init__(self, pages: int, slots: int, pages_per_row: int, prefix_caching: bool = True, lookahead: int = 0,
+               shards: int = 1):
+    if slots % shards or pages % shards:
+      raise ValueError(f"{slots} slots and {pages} pages do not split into {shards} shards")
+    self._pools = [PageTable(pages // shards, slots // shards, pages_per_row) for _ in range(shards)]
     self.prefix_caching, self.lookahead = prefix_caching, lookahead
     self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up, and found cached
 
+  def _pool(self, slot: int) -> tuple[PageTable, int]:
+    """The shard's pool that holds `slot`, and the slot's index in it."""
+    per_shard = self._pools[0].table.shape[0]
+    return self._pools[slot // per_shard], slot % per_shard
+
+  def shard(self, slot: int) -> int:
+    return slot // self._pools[0].table.shape[0]
+
   @property
   def pages(self) -> int:
-    """Usable pages (the pool holds one more, `NULL_PAGE`)."""
-    return self._pool.pages
+    """Usable pages (each shard's pool holds one more, its `NULL_PAGE`)."""
+    return sum(p.pages for p in self._pools)
+
+  @property
+  def shard_pages(self) -> int:
+    """Usable pages of one shard: the most one slot may hold."""
+    return self._pools[0].pages
+
+  @property
+  def pool_size(self) -> int:
+    """Pages of the device's pool: every shard's, scratch pages included."""
+    return self.pages + len(self._pools)
 
   @property
   def num_free(self) -> int:
-    return self._pool.num_free
+    return sum(p.num_free for p in self._pools)
 
   @property
   def table(self) -> np.ndarray:
-    """[slots, pages_per_row]: the pool page of each slot's pages (`NULL_PAGE` where none is given)."""
-    return self._pool.table
+    """[slots, pages_per_row]: the pool page of each slot's pages (its shard's `NULL_PAGE` where none is given)."""
+    return np.concatenate([p.table + d * (p.pages + 1) for d, p in enumerate(self._pools)])
 
   def held(self, slot: int) -> int:
-    return self._pool.held(slot)
+    pool, s = self._pool(slot)
+    return pool.held(s)
 
   def final_pages(self, tokens: Sequence[int], margin: int = 2) -> list[bytes]:
     """The hashes of the full pages of `tokens` whose entries are final in every cache: the target's holds
@@ -177,10 +204,11 @@ class KVPages:
   def allocate(self, slot: int, prompt: Sequence[int], tokens: int) -> int | None:
     """Gives an empty slot the cached pages of `prompt`'s longest cached prefix and the pages that hold its
     first `tokens` slots; returns the prefix's tokens, or None (nothing given) when the pool cannot hold it yet."""
-    shared = self._pool.match(self.final_pages(prompt)) if self.prefix_caching else []
-    self._pool.share(slot, shared)
-    if not self._pool.grow(slot, tokens):
-      self._pool.release(slot)
+    pool, slot = self._pool(slot)
+    shared = pool.match(self.final_pages(prompt)) if self.prefix_caching else []
+    pool.share(slot, shared)
+    if not pool.grow(slot, tokens):
+      pool.release(slot)
       return None
     if self.prefix_caching:
       self.prefix_queries += len(prompt)
@@ -188,15 +216,17 @@ class KVPages:
 
   def grow(self, slot: int, tokens: int) -> bool:
     """Gives `slot` the pages it lacks to hold `tokens` slots; False, giving none, when too few are free."""
-    return self._pool.grow(slot, tokens)
+    pool, slot = self._pool(slot)
+    return pool.grow(slot, tokens)
 
   def unshare(self, slot: int, tokens: int) -> bool:
     """Gives `slot` fresh pages for its first `tokens` slots in place of the cached prefix's it shares, if the
     pool has them besides those: True if it did."""
-    if pages_for(tokens) > self._pool.num_free:
+    pool, slot = self._pool(slot)
+    if pages_for(tokens) > pool.num_free:
       return False
-    self._pool.release(slot)
-    self._pool.grow(slot, tokens)
+    pool.release(slot)
+    pool.grow(slot, tokens)
     return True
 
   def started(self, slot: int, prompt: Sequence[int], cached: int) -> None:
@@ -204,14 +234,16 @@ class KVPages:
     are cached for the requests after it."""
     self.prefix_hits += cached
     if self.prefix_caching:
-      self._pool.register(slot, self.final_pages(prompt))
+      pool, slot = self._pool(slot)
+      pool.register(slot, self.final_pages(prompt))
 
   def free(self, slot: int, tokens: Sequence[int] | None = None, margin: int = 2) -> None:
     """Lets go of `slot`'s pages, first caching the full ones that `tokens` (its text, whose entries are final
     but for the last `margin`) fills; None: its prompt is not all in its pages, so none is cached."""
+    pool, slot = self._pool(slot)
     if self.prefix_caching and tokens is not None:
-      self._pool.register(slot, self.final_pages(tokens, margin))
-    self._pool.release(slot)
+      pool.register(slot, self.final_pages(tokens, margin))
+    pool.release(slot)
 
   def shares_more(self, prompt: Sequence[int], others: Sequence[Sequence[int]]) -> bool:
     """Whether the pages of a prompt being prefilled (one of `others`) will hold more of `prompt` than the
@@ -220,24 +252,30 @@ class KVPages:
     if not self.prefix_caching or not others:
       return False
     mine = self.final_pages(prompt)
-    cached = len(self._pool.match(mine))
+    cached = max(len(pool.match(mine)) for pool in self._pools)
     shared = lambda theirs: next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
                                  min(len(mine), len(theirs)))
     return any(shared(self.final_pages(other)) > cached for other in others)
 
+  def _scratch(self, slots: Sequence[int]) -> np.ndarray:
+    """Each slot's shard's scratch page."""
+    return np.asarray([self.shard(s) * (self.shard_pages + 1) + NULL_PAGE for s in slots], np.int32)
+
   def rows(self, slot: int | None, count: int) -> np.ndarray:
-    """The page table rows of `count` slots from `slot`; None: rows of no pages (idle)."""
+    """The page table rows of `count` slots from `slot`; None: the rows of slots from 0 with no pages (idle)."""
     if slot is None:
-      return np.full((count, self.table.shape[1]), NULL_PAGE, np.int32)
+      return np.repeat(self._scratch(range(count))[:, None], self._pools[0].table.shape[1], 1)
     return self.table[slot:slot + count].astype(np.int32)
 
   def changed_table(self, unready: Sequence[int]) -> np.ndarray | None:
     """The page table for the device when it changed since the last call (else None), with the rows of the
     `unready` slots (prefilling, not decoding yet) pointing at the scratch page, so that no segment writes
     into their pages."""
-    if not self._pool.changed:
+    if not any(pool.changed for pool in self._pools):
       return None
-    table = self.table.copy()
-    table[list(unready)] = NULL_PAGE
-    self._pool.changed = False
+    table = self.table
+    unready = list(unready)
+    table[unready] = self._scratch(unready)[:, None]
+    for pool in self._pools:
+      pool.changed = False
     return table

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jspec.model import masking
-from jspec.model.cache import BLOCK_SIZE
+from jspec.model.cache import BLOCK_SIZE, take_pages
 from jspec.model.kernels import pallas_attention
 from jspec.model.kernels.pallas_attention import Kernel
 from jspec.model.queries import from_rows, query_rows
@@ -19,7 +19,8 @@ from jspec.model.queries import from_rows, query_rows
 def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, lengths_B: jax.Array,
                      heads_major: bool = False, window: int = 0, softcap: float | None = None,
                      scale: float | None = None, tree_BxSxA: jax.Array | None = None,
-                     kernel: Kernel | None = None, page_table_BxR: jax.Array | None = None) -> jax.Array:
+                     kernel: Kernel | None = None, page_table_BxR: jax.Array | None = None,
+                     page_shards: int = 1, rows_sharding=None) -> jax.Array:
   """Causal attention of S new queries over a cache that already holds them.
 
   Query i of row b sits at slot `lengths[b] + i` and sees slots `j <= lengths[b] + i` (and, with a
@@ -33,7 +34,8 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   the CPU's path: a loop over the blocks of BLOCK_SIZE slots that some query can see, with an online
   softmax, so a step costs what the rows hold, not what the cache could hold. `page_table_BxR`: the cache
   is a pool of pages `[pages, J, BLOCK_SIZE, Dh]` (`jspec.model.cache`, batch-major), block i of row b in page
-  `page_table_BxR[b, i]`.
+  `page_table_BxR[b, i]`, the pool split over `page_shards` data shards (`jspec.model.cache.take_pages`), and
+  its blocks' rows laid out on a mesh as `rows_sharding` says.
   """
   batch, seq, heads, head_dim = q_BxSxHxDh.shape
   if page_table_BxR is None:
@@ -42,10 +44,13 @@ def cached_attention(q_BxSxHxDh: jax.Array, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   else:
     rows, capacity = batch * k_XxTxDh.shape[1], page_table_BxR.shape[1] * BLOCK_SIZE
     order = (1, 0, 2, 3) if heads_major else (0, 1, 2, 3)  # [B, J, ...] pages -> the query rows' order
-    block_of = lambda buf, i: buf[page_table_BxR[:, i]].transpose(order).reshape(rows, BLOCK_SIZE, head_dim)
+    pin = (lambda x: x) if rows_sharding is None else (lambda x: lax.with_sharding_constraint(x, rows_sharding))
+    block_of = lambda buf, i: pin(take_pages(buf, page_table_BxR[:, i], shards=page_shards).transpose(order).reshape(
+        rows, BLOCK_SIZE, head_dim))
   rows_ = query_rows(q_BxSxHxDh, rows // batch, lengths_B, heads_major, scale, k_XxTxDh.dtype, tree_BxSxA)
-  if kernel is not None:
-    out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap, page_table_BxR)
+  if kernel is not None and not (page_table_BxR is not None and batch % page_shards):
+    # (rows that do not split over a pool's data shards, a server's prefill of one, run the loop below)
+    out = pallas_attention.attend(kernel, rows_, k_XxTxDh, v_XxTxDh, window, softcap, page_table_BxR, page_shards)
     return from_rows(out, batch, seq, heads_major, q_BxSxHxDh.dtype)
   block = min(BLOCK_SIZE, capacity)
   q_XxQSxDh, qpos_XxQS, tree_XxQSxA = rows_.q_XxQSxDh, rows_.qpos_XxQS, rows_.tree_XxQSxA

@@ -44,6 +44,10 @@ class KVCache:
   # `jspec.model.kernels.pallas_attention.Kernel`; None: the reference loop
   kernel: Any = flax.struct.field(pytree_node=False, default=None)
   page_table: jax.Array | None = None  # [B, R] int32: the pool page of each row's R pages; None: contiguous rows
+  # A pool split over a mesh's data axis in this many shards of whole pages (`take_pages`)
+  page_shards: int = flax.struct.field(pytree_node=False, default=1)
+  # On a mesh, where the rows attention reads a pool's blocks into lie (a `NamedSharding` of `[B*J, ...]`)
+  rows_sharding: Any = flax.struct.field(pytree_node=False, default=None)
 
   def row(self, b, j, batch: int, kv_heads: int):
     """The buffer row of batch row b's kv head j (contiguous rows)."""
@@ -72,8 +76,10 @@ class KVCache:
 
   def read(self, buf: jax.Array, slots_BxS: jax.Array) -> jax.Array:
     """Each row's entries at `slots_BxS` of one of this cache's buffers: `[B, S, J, Dh]`."""
-    entries = buf[self.locate(slots_BxS)]
-    return entries if self.page_table is not None else entries.transpose(0, 2, 1, 3)
+    at = self.locate(slots_BxS)
+    if self.page_table is None:
+      return buf[at].transpose(0, 2, 1, 3)
+    return take_pages(buf, at[0], at[2], shards=self.page_shards)
 
   def rewind(self, lengths_B: jax.Array) -> KVCache:
     """Rolls each row back (or forward over slots already written) to `lengths_B`. Nothing is copied."""
@@ -100,6 +106,42 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, heads_major: bool
   zeros = lambda: tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(config.n_layers))
   return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32),
                  rope_len=jnp.zeros((batch,), jnp.int32), heads_major=heads_major)
+
+
+def _by_shard(pool: jax.Array, page_BxN: jax.Array, shards: int, rest: tuple):
+  """`pool` as `[shards, pages/shards, ...]`, and `page_BxN` (pool pages) and `rest` (arrays of B rows) as
+  `[shards, B/shards, ...]` with the pages each shard's own; None when the B rows do not split over them."""
+  batch = page_BxN.shape[0]
+  if shards == 1 or batch % shards:
+    return None
+  per_shard = pool.shape[0] // shards
+  split = lambda x: x.reshape(shards, batch // shards, *x.shape[1:])
+  first = (jnp.arange(shards, dtype=page_BxN.dtype) * per_shard).reshape(shards, *[1] * page_BxN.ndim)
+  return pool.reshape(shards, per_shard, *pool.shape[1:]), split(page_BxN) - first, tuple(map(split, rest))
+
+
+def take_pages(pool: jax.Array, page_BxN: jax.Array, *slots_BxN: jax.Array, shards: int = 1) -> jax.Array:
+  """`pool[page_BxN]` (`[B, N, J, PAGE_SIZE, Dh]`), or with `slots_BxN` the entries at those slots of the
+  pages (`pool[page, :, slot]`: `[B, N, J, Dh]`). On a pool split over `shards` data shards, rows
+  `[d B/D, (d+1) B/D)` read shard d's pages (the engine gives them only those), each shard indexing its own
+  part of the pool, so that a mesh's partitioner moves nothing between them."""
+  take = (lambda p, page, slot: p[page, :, slot]) if slots_BxN else (lambda p, page: p[page])
+  local = _by_shard(pool, page_BxN, shards, slots_BxN)
+  if local is None:
+    return take(pool, page_BxN, *slots_BxN)
+  out = jax.vmap(take)(local[0], local[1], *local[2])
+  return out.reshape(page_BxN.shape[0], *out.shape[2:])
+
+
+def put_entries(pool: jax.Array, page_BxS: jax.Array, slots_BxS: jax.Array, new_BxSxJxDh: jax.Array,
+                shards: int = 1) -> jax.Array:
+  """`pool` with `new_BxSxJxDh` at `pool[page, :, slot]` (pages past the pool's dropped), by data shard as
+  `take_pages` reads them."""
+  put = lambda p, page, slot, new: p.at[page, :, slot].set(new.astype(p.dtype), mode="drop")
+  local = _by_shard(pool, page_BxS, shards, (slots_BxS, new_BxSxJxDh))
+  if local is None:
+    return put(pool, page_BxS, slots_BxS, new_BxSxJxDh)
+  return jax.vmap(put)(local[0], local[1], *local[2]).reshape(pool.shape)
 
 
 def paged(cache: KVCache, page_table_BxR: jax.Array, pages: int) -> KVCache:
@@ -171,4 +213,6 @@ def write(cache: KVCache, buf: jax.Array, new_BxSxJxDh: jax.Array) -> jax.Array:
                                                                         lengths_B[b], 0))
     return buf
   at = cache.locate(lengths_B[:, None] + jnp.arange(seq))
-  return buf.at[at].set(new_BxJxSxDh if contiguous else new_BxSxJxDh.astype(buf.dtype), mode="drop")
+  if contiguous:
+    return buf.at[at].set(new_BxJxSxDh, mode="drop")
+  return put_entries(buf, at[0], at[2], new_BxSxJxDh, cache.page_shards)

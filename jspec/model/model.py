@@ -203,6 +203,7 @@ def cached_layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Ar
     vs[i] = kvcache.write(cache, vs[i], v)
     return attention.cached_attention(q, ks[i], vs[i], cache.lengths, cache.heads_major, tree_BxSxA=tree_BxSxA,
                                       kernel=cache.kernel, page_table_BxR=cache.page_table,
+                                      page_shards=cache.page_shards, rows_sharding=cache.rows_sharding,
                                       **attention_options(config, i))
 
   x_BxSxD = layer_stack(params, x_BxSxD, positions_BxS, config, attend, cache.rope_len, outputs, first_input_BxSxA)

@@ -130,11 +130,10 @@ def cache_layout(batch: int, config: ModelConfig | None, mesh: Mesh) -> CacheLay
 
 def pool_spec(layout: CacheLayout) -> PartitionSpec:
   """How a paged cache's pools `[pages, J, PAGE_SIZE, Dh]` lie where contiguous caches lie as `layout` says:
-  kv heads over "model" where they split, every page on every device. A data axis that splits the rows
-  does not page (`jspec.engine.engine.Engine` refuses it)."""
-  if layout.spec and "data" in jax.tree.leaves(layout.spec[0]):
-    raise ValueError("pages: a paged cache splits kv heads over the model axis; a data axis is not paged")
-  return PartitionSpec(None, "model", None, None) if layout.heads_major else PartitionSpec()
+  kv heads over "model" where they split, and where "data" splits the rows, pages over "data" (each data
+  shard's rows hold only its pages: `jspec.engine.pages.KVPages`)."""
+  axes = jax.tree.leaves(layout.spec[0]) if layout.spec else []
+  return PartitionSpec("data" if "data" in axes else None, "model" if layout.heads_major else None, None, None)
 
 
 def named(mesh: Mesh, specs: Any) -> Any:
@@ -165,8 +164,13 @@ class Layout:
       def pinned(c):
         spec = layout.spec if c.page_table is None else pool_spec(layout)
         constrain = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-        return c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)),
-                         heads_major=layout.heads_major, kernel=kernel(c))
+        paged = c.page_table is not None
+        shards = self.mesh.shape["data"] if paged and spec[0] == "data" else 1
+        rows = NamedSharding(self.mesh, PartitionSpec(layout.spec[0] if layout.spec else None)) if paged else None
+        table = c.page_table if shards == 1 else jax.lax.with_sharding_constraint(  # with its rows
+            c.page_table, NamedSharding(self.mesh, PartitionSpec("data")))
+        return c.replace(k=tuple(map(constrain, c.k)), v=tuple(map(constrain, c.v)), page_table=table,
+                         heads_major=layout.heads_major, kernel=kernel(c), page_shards=shards, rows_sharding=rows)
       return pinned
     is_cache = lambda x: isinstance(x, KVCache)
     return state.replace(

@@ -223,11 +223,10 @@ def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: in
                    pages: int | None = None) -> dict[str, Compiled]:
   """The server's programs (`jspec.engine.engine.Engine`) for a decoder placed on a mesh: a segment of the loop
   over every slot and the insert of a request of `prompt_width` tokens into a running state, whose caches
-  are pools of `pages` pages where the engine pages them (a mesh without a data axis), else contiguous
-  rows. The state lives between calls (donated to each), so a segment's arguments hold it beside the weights."""
+  are pools of `pages` pages (None: contiguous rows). The state lives between calls (donated to each), so a
+  segment's arguments hold it beside the weights."""
   mesh = decoder.layout.mesh
   devices = mesh.devices.size
-  pages = pages if mesh.shape["data"] == 1 else None
   idle = sharding.place(memory.abstract_batch(decoder, slots, batches.prompt_bucket(1), capacity, pages), mesh)
   state = started_state(decoder, idle, capacity)
   one = sharding.place(memory.abstract_batch(decoder, 1, prompt_width, capacity, pages, pages is not None), mesh)

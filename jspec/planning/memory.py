@@ -185,6 +185,7 @@ class Plan:
   max_batch: int
   max_context: int
   pages: int | None = None  # serving: the paged KV cache's pages of `kvcache.PAGE_SIZE` tokens that fit (0: none)
+  page_shards: int = 1  # serving on a mesh: the data shards that split the pages (`page_shards`)
 
   @property
   def fits(self) -> bool:
@@ -196,7 +197,12 @@ class Plan:
             "total_bytes": self.usage.total_bytes, "workspace_source": self.workspace_source,
             "device_memory_bytes": self.device_memory_bytes, "device_memory_source": self.memory_source,
             "fits": self.fits, "max_batch": self.max_batch, "max_context": self.max_context,
-            **({} if self.pages is None else {"kv_pages": self.pages})}
+            **({} if self.pages is None else {"kv_pages": self.pages, "kv_pages_per_device": self.pages_per_device})}
+
+  @property
+  def pages_per_device(self) -> int | None:
+    """The pages each device holds (its kv heads' share of each): those of its data shard."""
+    return None if self.pages is None else self.pages // self.page_shards
 
   def rows_at(self, tokens: int) -> int:
     """Rows of `tokens` tokens a server's pages hold at once (at most its slots)."""
@@ -259,7 +265,7 @@ def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, me
       pages = 0
   return Plan(batch, context, prompt_len, capacity, math.prod(axis_sizes(mesh).values()), need(batch, context),
               source, memory[0], memory[1], max_batch(need, context, memory[0], axis_sizes(mesh)["data"]),
-              max_context(need, batch, decoder.context_len, memory[0]), pages)
+              max_context(need, batch, decoder.context_len, memory[0]), pages, page_shards(mesh, batch))
 
 
 def max_batch(need, context: int, memory: int, data: int) -> int:
@@ -295,19 +301,28 @@ def check(decoder: Decoder, batch: int, context: int, prompt_len: int, mesh=None
                                memory=memory, serving=serving).refusal())
 
 
+def page_shards(mesh, slots: int) -> int:
+  """The data shards a server's pool of pages splits into on `mesh`: its data axis where that splits the
+  slots (as it splits contiguous rows), else 1."""
+  data = axis_sizes(mesh)["data"]
+  return data if slots % data == 0 else 1
+
+
 def pool_pages(decoder: Decoder, slots: int, max_len: int, pages: int | None = None, mesh=None,
                shard_draft: bool = True, memory: tuple[int, str] | None = None) -> int:
   """The usable pages of a serving engine's paged caches (`jspec.engine.pages`): `pages`, or as many as fit beside
-  the weights and the workspace, at most every slot's whole context. A one-line ValueError when the pool
-  asked for, or a single page, does not fit."""
+  the weights and the workspace, at most every slot's whole context; a multiple of the pool's data shards
+  (`page_shards`: each device holds its shard's pages, and a scratch page). A one-line ValueError when the
+  pool asked for, or a single page, does not fit."""
   memory = memory or device_memory(mesh)
   width, capacity = shape(decoder, max_len, max_len - 1, serving=True)
   need = usage(decoder, slots, width, capacity, mesh, shard_draft, None, 1)
   caches = need.kv_cache_bytes + need.draft_kv_cache_bytes
   per_row = capacity // kvcache.PAGE_SIZE
-  page_bytes = caches / (slots * per_row)
-  fit = int((memory[0] - (need.total_bytes - caches)) // page_bytes) - 1  # less the scratch page
-  wanted = min(fit, slots * per_row) if pages is None else pages
+  page_bytes = caches / (slots * per_row)  # per device, of the pages of all shards together
+  shards = page_shards(mesh, slots)
+  fit = (int((memory[0] - (need.total_bytes - caches)) // page_bytes) - shards) // shards * shards  # less scratch
+  wanted = min(fit, slots * per_row) if pages is None else pages - pages % shards
   if wanted > fit or wanted < 1:
     raise ValueError(f"{max(wanted, 1)} KV pages of {kvcache.PAGE_SIZE} tokens need "
                      f"{gb(int((max(wanted, 1) + 1) * page_bytes))} beside {gb(need.total_bytes - caches)} of weights "

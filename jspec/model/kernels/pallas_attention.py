@@ -84,9 +84,10 @@ def select_kernel(attention: str, platform: str, head_dim: int | None = None) ->
 
 
 def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.Array, window: int,
-           softcap: float | None, page_table_BxR: jax.Array | None = None) -> jax.Array:
+           softcap: float | None, page_table_BxR: jax.Array | None = None, page_shards: int = 1) -> jax.Array:
   """Attention of `rows`' queries over the cache: [X, QS, Dh] in the cache's dtype (the reference's fp32
-  result, rounded). With `page_table_BxR`, the caches are pools of pages (`jspec.model.cache`)."""
+  result, rounded). With `page_table_BxR`, the caches are pools of pages (`jspec.model.cache`), split over
+  `page_shards` data shards."""
   head_dim = k_XxTxDh.shape[-1]
   if kernel.backend == "gpu" and head_dim & (head_dim - 1):
     raise ValueError(f"the GPU attention kernel needs a power-of-two head dim, not {head_dim}: use --attention xla")
@@ -95,23 +96,30 @@ def attend(kernel: Kernel, rows: QueryRows, k_XxTxDh: jax.Array, v_XxTxDh: jax.A
   per_row = (rows.q_XxQSxDh, rows.qpos_XxQS, rows.start_X) + (
       () if rows.tree_XxQSxA is None else (rows.tree_XxQSxA,))
 
+  split = kernel.row_spec if isinstance(kernel.row_spec, tuple) else (kernel.row_spec,)
+  heads_split = "model" in split  # heads-major rows (`jspec.model.sharding`)
+  data = "data" if page_shards > 1 else None
+
   def call(k, v, table, *per_row):
     if table is None:
       return run(per_row[0], k, v, *per_row[1:])
+    if data:  # this shard's part of the pool: its own pages, numbered from its first
+      table = table - lax.axis_index("data") * k.shape[0]
     # The paged kernels read batch-major rows; on a mesh that splits kv heads the rows are heads-major.
     heads, batch = k.shape[1], table.shape[0]
     swap = lambda x, h, b: x.reshape(h, b, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
-    if kernel.row_spec is not None:
+    if heads_split:
       per_row = tuple(swap(x, heads, batch) for x in per_row)
     q, *rest = per_row
     out = run(q, k, v, *rest, table=table)
-    return out if kernel.row_spec is None else swap(out, batch, heads)
+    return swap(out, batch, heads) if heads_split else out
 
-  if kernel.mesh is not None:  # each device on its own rows, and (paged) its kv heads of every page
+  if kernel.mesh is not None:  # each device on its own rows, and (paged) its kv heads of its shard's pages
     rows_spec = PartitionSpec(kernel.row_spec)
-    cache_spec = rows_spec if page_table_BxR is None else PartitionSpec(None, kernel.row_spec)
+    paged = page_table_BxR is not None
+    cache_spec = PartitionSpec(data, "model" if heads_split else None) if paged else rows_spec
     call = jax.shard_map(call, mesh=kernel.mesh, check_vma=False, out_specs=rows_spec,
-                         in_specs=(cache_spec, cache_spec, PartitionSpec(), *(rows_spec,) * len(per_row)))
+                         in_specs=(cache_spec, cache_spec, PartitionSpec(data), *(rows_spec,) * len(per_row)))
   return call(k_XxTxDh, v_XxTxDh, page_table_BxR, *per_row)
 
 
