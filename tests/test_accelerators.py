@@ -22,10 +22,6 @@ def _libtpu() -> bool:
   return importlib.util.find_spec("libtpu") is not None
 
 
-def _cuda_plugin() -> bool:
-  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-
-
 def _small(tmp_path) -> str:
   (tmp_path / "target.json").write_text(json.dumps(SMALL))
   return str(tmp_path / "target.json")
@@ -60,7 +56,7 @@ def test_compile_for_a_tpu_topology_agrees_with_the_plan(tmp_path, capsys):
   assert server["segment"]["argument_bytes"] >= weights + caches and server["insert"]["argument_bytes"] >= caches
 
 
-@pytest.mark.skipif(not _cuda_plugin(), reason="no CUDA plugin: pip install -e '.[gpu-compile]'")
+@pytest.mark.skipif(not gpus.compiler_installed(), reason="no CUDA plugin: pip install -e '.[gpu-compile]'")
 def test_compile_for_an_h100_builds_the_triton_kernel_and_agrees_with_the_plan(tmp_path, capsys):
   """The decode program compiled for one H100 (XLA's CUDA passes, Triton and ptxas run here): the attention
   is jspec's Triton kernel, in the executable's HLO as Triton calls; the memory agrees with the plan as on a
@@ -89,7 +85,7 @@ def test_compile_for_an_h100_builds_the_triton_kernel_and_agrees_with_the_plan(t
   assert hlo.count("__gpu$xla.gpu.triton") >= SMALL["num_hidden_layers"]  # a prefill's and a step's, per layer
 
 
-@pytest.mark.skipif(not _cuda_plugin(), reason="no CUDA plugin: pip install -e '.[gpu-compile]'")
+@pytest.mark.skipif(not gpus.compiler_installed(), reason="no CUDA plugin: pip install -e '.[gpu-compile]'")
 @pytest.mark.parametrize("chip", sorted(gpus.GPUS))
 def test_every_gpu_target_config_gives_that_gpus_devices(chip):
   devices = accelerators.Target.parse(f"gpu:{chip}:2").devices()
@@ -119,7 +115,7 @@ def test_compile_for_refuses_what_it_cannot_compile_in_one_line(tmp_path, capsys
   else:
     assert plan.main([*base, "--compile-for", "tpu:v5e:2x2", "--mesh", "model=2"]) == 2
     assert "needs 2 devices; tpu:v5e:2x2 has 4" in capsys.readouterr().err
-  if not _cuda_plugin():
+  if not gpus.compiler_installed():
     assert plan.main([*base, "--compile-for", "gpu:h100:2"]) == 2
     assert 'pip install -e ".[gpu-compile]"' in capsys.readouterr().err
   else:

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from jspec.bench.cli import main
+from jspec.planning import gpus
 
 pytestmark = pytest.mark.slow  # the whole suite's sections, end to end
 
@@ -32,3 +33,16 @@ def test_gpu_check_smoke_run_writes_every_section(tmp_path):
   assert set(sections["rounds"]["round_in_target_steps"]) == {"2"}
   assert sections["rounds"]["round_in_target_steps"]["2"] > 0
   assert sections["shipped"]["greedy_identical"] and sections["shipped"]["speedup"] > 0
+
+
+@pytest.mark.skipif(not gpus.compiler_installed(), reason="no CUDA plugin: pip install -e '.[gpu-compile]'")
+def test_the_checks_programs_compile_here_for_an_h100(tmp_path):
+  """`--compile-for gpu:h100:1`: the target section's plain decoding (Triton kernel and XLA loop) and the
+  rounds section's round compile for an abstract H100, nothing run."""
+  assert main(["--suite", "gpu", "--smoke", "--compile-for", "gpu:h100:1", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "bench.json").read_text())
+  assert result["compiled_for"] == "gpu:h100:1" and set(result["plain"]) == {"auto", "xla"}
+  assert result["plain"]["auto"]["attention"] == "Pallas GPU (Triton) kernel"
+  assert result["plain"]["xla"]["attention"] == "XLA loop"
+  assert all(p["total_bytes"] > 0 and p["estimated_plain_step_s"] > 0 for p in result["plain"].values())
+  assert set(result["rounds"]) == {"2"} and result["rounds"]["2"]["estimated_round_in_target_steps"] > 1

@@ -73,6 +73,8 @@ def _paging(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
 
 
 def _gpu(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
+  if args.compile_for:
+    return gpu.compiled_for(args.compile_for, args.smoke)
   return gpu.check(args.smoke, args.budget, lambda result: _write(out_dir, {"partial": True, **result}))
 
 
@@ -181,6 +183,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--batch-size", type=int, default=8, help="--suite serving: the servers' slots")
   ap.add_argument("--smoke", action="store_true", help="--suite gpu: tiny shapes, on any backend")
   ap.add_argument("--budget", type=float, default=420.0, help="--suite gpu: seconds; later sections are skipped")
+  ap.add_argument("--compile-for", default=None, metavar="gpu:CHIP:COUNT",
+                  help="--suite gpu: compile its target and rounds programs here for that GPU (or tpu:CHIP:TOPOLOGY) "
+                       "with abstract weights, running none (needs pip install -e \".[gpu-compile]\")")
   ap.add_argument("--out", default="bench-out", help="directory for bench.json (and the sweep's bench.md, plots)")
   return ap
 

@@ -2,6 +2,7 @@
 
   python -m jspec.bench --suite gpu --out gpu-check      # on a machine with one GPU, no network
   python -m jspec.bench --suite gpu --smoke --out check  # tiny shapes, any backend (the tests run it)
+  python -m jspec.bench --suite gpu --compile-for gpu:h100:1  # its programs compiled here for an H100, none run
 
 Sections, each timed and recorded even when a later one fails or the budget runs out:
 - lossless: the losslessness checks that matter, on this device: greedy speculative decoding equals plain
@@ -41,6 +42,7 @@ from jspec.model import cache as kvcache
 from jspec.model import model
 from jspec.model.config import ModelConfig, num_params
 from jspec.model.kernels import pallas_attention
+from jspec.planning import accelerators, shaped
 from jspec.planning.calibration import round_and_step, step_loop
 from jspec.text.tokenizer import byte_tokenizer
 
@@ -103,11 +105,17 @@ def init_on_device(config: ModelConfig, seed: int) -> dict:
   return jax.jit(lambda k: model.init_params(config, k))(jax.random.PRNGKey(seed))
 
 
+def _plain_batch(decoder: Decoder, smoke: bool):
+  """The target section's request: 128 prompt tokens, 128 new (16 and 16 with --smoke)."""
+  prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
+  return make_batch(decoder, prompt, new, ignore_eos=True)
+
+
 def _plain_decode(m: jspec.Model, attention: str, smoke: bool) -> dict[str, Any]:
   """Timed calls of one plain decoding executable: 'decode' (128 tokens) and 'first' (prefill and one)."""
-  prompt, new = [list(range(1, 129 if not smoke else 17))], 128 if not smoke else 16
   decoder = make_decoder(m, None, None, 1, attention=attention)
-  batch = make_batch(decoder, prompt, new, ignore_eos=True)
+  batch = _plain_batch(decoder, smoke)
+  new = int(batch.max_new_tokens_B[0])
   executable, compile_s = programs.compiled_run(decoder, batch)
   first = batch.replace(max_new_tokens_B=np.asarray([1], np.int32))  # prefill and one step: the same program
   return {"decode": lambda: jax.block_until_ready(executable(decoder, batch)),
@@ -162,14 +170,21 @@ def verify_section(config: ModelConfig, params, smoke: bool) -> dict:
   return {"verify_over_step": {n: t[n] / t[1] for n in ns}}
 
 
+ROUND_PROMPT, ROUND_CAPACITY = 256, 512  # the rounds section's request: a prompt of 256 tokens, 512 slots
+
+
+def _draft_lens(smoke: bool) -> tuple[int, ...]:
+  return (2,) if smoke else (2, 4, 8)
+
+
 def rounds_section(target_config: ModelConfig, target_params, draft_config: ModelConfig, smoke: bool) -> dict:
   target = jspec.Model(target_config, target_params, TOKENIZER)
   draft = jspec.Model(draft_config, init_on_device(draft_config, 1), TOKENIZER)
   out = {"draft_params": num_params(draft_config), "round_in_target_steps": {}}
-  prompt = np.random.default_rng(0).integers(0, target_config.vocab_size, (1, 256)).tolist()
-  for k in ((2,) if smoke else (2, 4, 8)):
+  prompt = np.random.default_rng(0).integers(0, target_config.vocab_size, (1, ROUND_PROMPT)).tolist()
+  for k in _draft_lens(smoke):
     decoder = make_decoder(target, draft, SpecConfig(k, drafter="model", adaptive=None), 1)
-    batch = make_batch(decoder, prompt, 1, ignore_eos=True, capacity_slots=512)
+    batch = make_batch(decoder, prompt, 1, ignore_eos=True, capacity_slots=ROUND_CAPACITY)
     state = jax.jit(loop.start)(decoder, batch.replace(max_new_tokens_B=np.full((1,), 10 ** 6, np.int32)))
     t = interleaved(round_and_step(decoder, state, steps=8), 1 if smoke else 3)
     out["round_in_target_steps"][k] = t["round"] / t["step"]
@@ -191,14 +206,47 @@ def shipped_section(smoke: bool) -> dict:
           "max_new_tokens": new}
 
 
+def _configs(smoke: bool) -> tuple[ModelConfig, ModelConfig]:
+  """The target and draft shapes: Llama-3-8B and Llama-3.2-1B (tiny ones with --smoke), bf16."""
+  if smoke:
+    return dataclasses.replace(SMOKE_TARGET, dtype="bfloat16"), dataclasses.replace(SMOKE_DRAFT, dtype="bfloat16")
+  return LLAMA3_8B, LLAMA32_1B
+
+
+def compiled_for(where: str, smoke: bool) -> dict:
+  """The check's target and rounds programs compiled here for `where` (`gpu:h100:1`: a GPU that is not here)
+  with abstract weights, nothing run (`jspec.planning.accelerators`): plain decoding of the target section's
+  request with this platform's attention and with the XLA loop, and the rounds section's speculative rounds
+  for each K, each with XLA's memory per device and the roofline estimates. A lent GPU then runs programs
+  known to compile for it."""
+  target = accelerators.Target.parse(where)
+  target_config, draft_config = _configs(smoke)
+  shapes = lambda c: jspec.Model(c, jax.eval_shape(lambda k: model.init_params(c, k), jax.random.PRNGKey(0)),
+                                 TOKENIZER)
+  models = shapes(target_config), shapes(draft_config)
+  out = {"compiled_for": str(target), "smoke": smoke, "plain": {}, "rounds": {}}
+  begin = time.perf_counter()
+  for attention in ("auto", "xla"):
+    decoder = shaped.shaped_decoder(models[0], None, None, 1, attention)
+    batch = _plain_batch(decoder, smoke)
+    r = accelerators.compile_for(target, decoder, 1, batch.prompts_BxP.shape[1], batch.capacity)
+    out["plain"][attention] = {"attention": r.attention, "total_bytes": r.program.total_bytes,
+                               "estimated_plain_step_s": r.plain_step_s}
+  for k in _draft_lens(smoke):
+    decoder = shaped.shaped_decoder(*models, SpecConfig(k, drafter="model", adaptive=None), 1)
+    r = accelerators.compile_for(target, decoder, 1, ROUND_PROMPT, ROUND_CAPACITY)
+    out["rounds"][k] = {"total_bytes": r.program.total_bytes, "estimated_round_in_target_steps": r.round_cost}
+  out["seconds"] = time.perf_counter() - begin
+  return out
+
+
 def check(smoke: bool, budget: float, save) -> dict:
   """Runs each section in turn, recording its result (or its error) and its seconds, and calling
   `save(result)` after each; sections past `budget` seconds are skipped."""
   start = time.perf_counter()
   result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(), "jax": jax.__version__,
             "smoke": smoke, "sections": {}}
-  target_config = dataclasses.replace(SMOKE_TARGET, dtype="bfloat16") if smoke else LLAMA3_8B
-  draft_config = dataclasses.replace(SMOKE_DRAFT, dtype="bfloat16") if smoke else LLAMA32_1B
+  target_config, draft_config = _configs(smoke)
   state = {}
 
   def target_params():

@@ -11,6 +11,7 @@ The plugin checks the CUDA driver when it registers unless `JAX_SKIP_CUDA_CONSTR
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
 GiB = 2 ** 30
@@ -85,6 +86,14 @@ dnn_version_info {{
 }}
 device_description_str: "{g.name}"
 """
+
+
+def compiler_installed() -> bool:
+  """Whether jax's CUDA plugin is installed (`.[gpu-compile]` or `.[cuda12]`)."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no plugin of any kind: no `jax_plugins` package
+    return False
 
 
 def devices(name: str, count: int) -> list:
