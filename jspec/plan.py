@@ -72,8 +72,9 @@ def parser() -> argparse.ArgumentParser:
                       "estimate of a step and a round")
   flags.add_attention_arg(g)
   g.add_argument("--estimate", action="store_true",
-                 help="estimate the workspace instead of compiling the decode program to measure it (it is "
-                      "always estimated for other devices: with --device-memory or --mesh)")
+                 help="estimate the workspace instead of compiling the decode program with one layer per model to "
+                      "measure it (for the --compile-for hardware, else this machine's; it is estimated for other "
+                      "devices: with --device-memory or --mesh, and for a server's --compile-for plan)")
   p.add_argument("--json", action="store_true", help="print the plan as JSON")
   return p
 
@@ -151,6 +152,11 @@ def plan(args: argparse.Namespace):
     available = machine.budget(None, args.memory_fraction)
   measured = None if args.estimate or here is None else shaped.compiled_workspace_per_row(
       decoder, args.batch_size, context, prompt_len, mesh, args.serving)
+  if compile_for is not None and not (args.estimate or args.serving):  # the one-layer program for that hardware
+    from jspec.planning import accelerators
+    measured = accelerators.workspace_per_row(compile_for, decoder, args.batch_size,
+                                              *memory.shape(decoder, context, prompt_len), args.mesh,
+                                              not args.replicate_draft)
   result = memory.make_plan(decoder, args.batch_size, context, prompt_len, mesh=mesh,
                             shard_draft=not args.replicate_draft, memory=available, workspace_per_row=measured,
                             serving=args.serving, platform=planned_platform(args))

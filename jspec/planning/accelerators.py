@@ -21,7 +21,7 @@ from jspec.decoding import batches, loop, programs
 from jspec.decoding.decoder import Decoder
 from jspec.model import sharding
 from jspec.model.kernels import pallas_attention
-from jspec.planning import gpus, memory
+from jspec.planning import gpus, memory, shaped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +132,22 @@ def unoptimized_cost(lowered, devices: int) -> dict[str, float]:
   module = lowered.compiler_ir("hlo").as_hlo_module()
   cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
   return {k: cost.get(k, 0.0) / devices for k in ("flops", "bytes accessed")}
+
+
+def workspace_per_row(target: Target, decoder: Decoder, batch: int, prompt_width: int, capacity: int,
+                      mesh_spec: str | None = None, shard_draft: bool = True) -> float:
+  """The workspace per row that XLA assigns on each of `target`'s devices, from the program's own buffers: the
+  temporaries, less the caches, of the decode program with one layer per model (`shaped.one_layer`: a layer's
+  temporaries are reused by the next) compiled for them on `mesh_spec`, over the rows each device holds."""
+  devices = target.devices()
+  mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
+  small = shaped.one_layer(decoder)
+  placed = sharding.place_decoder(mesh, small, batch, shard_draft)
+  abstract = sharding.place(memory.abstract_batch(placed, batch, prompt_width, capacity), mesh)
+  temp = programs.lower(placed, abstract).compile().memory_analysis().temp_size_in_bytes
+  need = memory.usage(small, batch, prompt_width, capacity, mesh, shard_draft, workspace_per_row=0.0)
+  rows = batch // mesh.shape["data"] if batch % mesh.shape["data"] == 0 else batch
+  return max(temp - need.kv_cache_bytes - need.draft_kv_cache_bytes, 0) / rows
 
 
 def _shardings(tree):

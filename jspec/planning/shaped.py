@@ -26,7 +26,7 @@ def shaped_decoder(target, draft, spec, batch: int, attention: str = "auto") -> 
   return jax.eval_shape(build, target.params, None if draft is None else draft.params)
 
 
-def _one_layer(decoder: Decoder) -> Decoder:
+def one_layer(decoder: Decoder) -> Decoder:
   """The same program with one layer in the target and in a draft model: the same activations."""
   def cut(params, config):
     if config is None or config.n_layers == 1 or "layers" not in (params or {}):
@@ -46,7 +46,7 @@ def compiled_workspace(decoder: Decoder, batch: int, prompt_width: int, capacity
   """The decode program's temporaries beyond its caches, from XLA's `memory_analysis()` of the program with
   one layer per model (compiled for the abstract shapes, with these XLA options; nothing allocated). None
   where the backend does not say."""
-  small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), _one_layer(decoder.replace(layout=None)))
+  small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), one_layer(decoder.replace(layout=None)))
   abstract = memory.abstract_batch(small, batch, prompt_width, capacity)
   analysis = programs.lower(small, abstract).compile(compiler_options=compiler_options).memory_analysis()
   if analysis is None or not getattr(analysis, "temp_size_in_bytes", 0):
