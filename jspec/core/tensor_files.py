@@ -8,6 +8,7 @@ not needed for either.
 """
 from __future__ import annotations
 
+import json
 import pathlib
 import pickle
 import zipfile
@@ -20,6 +21,21 @@ from safetensors import SafetensorError, safe_open
 STORAGES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
             "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32,
             "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
+
+
+# safetensors' 8-bit float dtypes, which its numpy reader cannot return (numpy has no such type)
+FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def read_float8(path: pathlib.Path, name: str) -> np.ndarray:
+  """One 8-bit float tensor of a safetensors file, read from the file's own header: 8 bytes of header length,
+  the JSON header (dtype, shape, byte offsets after it), the data."""
+  with open(path, "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    info = json.loads(f.read(size))[name]
+    begin, end = info["data_offsets"]
+    f.seek(8 + size + begin)
+    return np.frombuffer(f.read(end - begin), FLOAT8[info["dtype"]]).reshape(info["shape"])
 
 
 def read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from jspec.core import registry
 from jspec.core.settings import CostModel
 from jspec.drafters import Heads
-from jspec.model import model, sharding
+from jspec.model import model, quantization, sharding
 from jspec.model.config import ModelConfig, default_dtype
 from jspec.model.model import Model
 from jspec.text.tokenizer import load_chat_template, load_tokenizer, save_chat_template
@@ -86,7 +86,8 @@ def load_heads(path: str | pathlib.Path, dtype: str | None = None, mesh=None) ->
     drafter = registry.drafter_class(kind).from_metadata(config, meta)
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"{path / HEADS_FILE}: invalid {kind} heads ({one_line(e)})") from None
-  params = _restore_params(path, lambda: drafter.init_params(jax.random.PRNGKey(0)), config, mesh)
+  init = lambda: quantization.quantize_params(drafter.init_params(jax.random.PRNGKey(0)), config.quantization)
+  params = _restore_params(path, init, config, mesh)
   return Heads(drafter, params, read_cost_models(path))
 
 
@@ -115,8 +116,11 @@ def _make_dir(path: str | pathlib.Path) -> pathlib.Path:
 def _save_params(params: model.Params, path: pathlib.Path, storage_dtype: str | None = None) -> None:
   """Writes `path/params` with orbax, optionally cast to `storage_dtype`."""
   with ocp.StandardCheckpointer() as ckptr:
-    cast = lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # ids stay ids
-    params = params if storage_dtype is None else jax.tree.map(cast, params)
+    # ids stay ids; quantized weights stay as they are
+    cast = lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) \
+        and not isinstance(x, quantization.QArray) else x
+    params = params if storage_dtype is None else jax.tree.map(cast, params,
+                                                               is_leaf=lambda x: isinstance(x, quantization.QArray))
     ckptr.save(path / "params", params, force=True)
   # orbax leaves a marker that spells out the absolute path; a shipped checkpoint must not carry it.
   (path / "params" / "commit_success.txt").unlink(missing_ok=True)

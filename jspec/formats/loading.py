@@ -11,34 +11,56 @@ from jspec.core import registry, shipped
 from jspec.core.settings import DTYPES
 from jspec.drafters import Heads
 from jspec.formats import checkpoint, head_formats
-from jspec.model import hf, hf_config, model
-from jspec.model.config import default_dtype
+from jspec.model import hf, hf_config, model, quantization
+from jspec.model.config import WEIGHT_FORMATS, default_dtype
 from jspec.model.model import Model
 from jspec.text import tokenizer
 
 
-def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None) -> Model | Heads:
+def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None, quantize: str | None = None) -> Model | Heads:
   """A model (a jspec checkpoint, a Hugging Face model directory of a family in `jspec.model.hf_config.FAMILIES`, or a
   shipped pair's name such as "code" for its target), or Medusa/EAGLE heads (`Heads`): jspec's own, or
   published ones in a format of `jspec.formats.head_formats` (EAGLE, EAGLE-3, speculators, Medusa).
 
   Parameters and activations use `dtype` ("float32" or "bfloat16"), by default fp32 on the CPU and bf16 on
   accelerators. With a `mesh` (`jspec.make_mesh`), each array is placed in its shards as it is read.
+  Quantized checkpoints load as stored; `quantize` ("int8", "fp8", "fp8-block": `jspec.model.quantization`)
+  quantizes a float one's linear layers (a Hugging Face directory's layer by layer, as they are read).
   Every problem is a one-line ValueError.
   """
   if dtype not in (None, *DTYPES):
     raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+  if quantize not in (None, *WEIGHT_FORMATS):
+    raise ValueError(f"unknown weight format {quantize!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
   path = shipped.resolve(path).absolute()
   if not path.is_dir():
     raise ValueError(f"{path}: no such checkpoint directory")
   if checkpoint.is_heads_dir(path):
-    return checkpoint.load_heads(path, dtype, mesh)
-  found = head_formats.detect(path)
-  if found is not None:
-    return head_formats.load_head(path, found, dtype or default_dtype())  # placed on a mesh when decoding
-  if hf.is_hf_dir(path):
-    return hf.load_hf(path, dtype or default_dtype(), mesh)
-  return checkpoint.load_model(path, dtype, mesh)
+    loaded = checkpoint.load_heads(path, dtype, mesh)
+  elif (found := head_formats.detect(path)) is not None:
+    loaded = head_formats.load_head(path, found, dtype or default_dtype())  # placed on a mesh when decoding
+  elif hf.is_hf_dir(path):
+    return hf.load_hf(path, dtype or default_dtype(), mesh, quantize)
+  else:
+    loaded = checkpoint.load_model(path, dtype, mesh)
+  return quantized(loaded, quantize, path)
+
+
+def quantized(loaded: Model | Heads, fmt: str | None, where: str | pathlib.Path = "") -> Model | Heads:
+  """A model or heads with their linear layers (attention and MLP) in `fmt`; None, or the format they are
+  already stored in: as they are. Medusa's heads, which have none, are refused."""
+  stored = loaded.config.quantization if isinstance(loaded, Model) else loaded.drafter.config.quantization
+  if fmt is None or fmt == stored:
+    return loaded
+  if stored is not None:
+    raise ValueError(f"{where}: its weights are stored in {stored}; it loads as it is, not as {fmt}")
+  params = quantization.quantize_params(loaded.params, fmt)
+  if isinstance(loaded, Model):
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, quantization=fmt), params=params)
+  if not quantization.is_quantized(params):
+    raise ValueError(f"{where}: {loaded.drafter.kind} heads have no attention or MLP layers to quantize")
+  drafter = dataclasses.replace(loaded.drafter, config=dataclasses.replace(loaded.drafter.config, quantization=fmt))
+  return dataclasses.replace(loaded, drafter=drafter, params=params)
 
 
 def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | Heads:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
+WEIGHT_FORMATS = ("int8", "fp8", "fp8-block")  # quantized linear layers: jspec.model.quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ModelConfig:
   query_scale: float | None = None  # attention logits scale by query_scale**-0.5; None: head_dim
   attn_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap) (Gemma 2)
   final_softcap: float | None = None  # the same on the output logits
+  quantization: str | None = None  # the linear layers' stored format (WEIGHT_FORMATS); None: `dtype`
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -76,6 +78,8 @@ class ModelConfig:
       raise ValueError(f"unsupported activation {self.activation!r}: jspec has {', '.join(ACTIVATIONS)}")
     if self.sliding_windows and len(self.sliding_windows) != self.n_layers:
       raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.n_layers} layers")
+    if self.quantization not in (None, *WEIGHT_FORMATS):
+      raise ValueError(f"unknown weight format {self.quantization!r}: jspec has {', '.join(WEIGHT_FORMATS)}")
     if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
       raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must leave an even rotary dimension")
 

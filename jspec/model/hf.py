@@ -8,6 +8,7 @@ uses, so weights map over with a transpose and no permutation.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -19,7 +20,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jspec.model import model, sharding
+from jspec.core.tensor_files import FLOAT8, read_float8
+from jspec.model import model, quantization, sharding
 from jspec.model.config import ModelConfig
 from jspec.model.hf_config import ATTENTION_NAMES, BIAS_NAMES, MLP_NAMES, config_from_hf
 from jspec.model.model import Model
@@ -54,10 +56,28 @@ class _Tensors:
                        "model.")
     self.head = next((n for n in self.where if n.endswith("lm_head.weight")), None)
 
-  def get(self, name: str, dtype) -> np.ndarray:
+  def get(self, name: str, dtype=None) -> np.ndarray:
+    """A tensor, cast to `dtype` (None: as stored)."""
     if name not in self.where:
       raise ValueError(f"{self.path}: tensor {name} is missing from the safetensors files")
-    return self.handles[self.where[name]].get_tensor(name).astype(dtype, copy=False)
+    handle = self.handles[self.where[name]]
+    if handle.get_slice(name).get_dtype() in FLOAT8:
+      x = read_float8(self.where[name], name)
+    else:
+      x = handle.get_tensor(name)
+    return x if dtype is None else x.astype(dtype, copy=False)
+
+  def linear(self, module: str, dtype, fmt: str | None) -> np.ndarray | quantization.QArray:
+    """A linear layer's weight as jspec holds it, [in, out]: stored quantized (a `weight_scale`, or a
+    block-wise `weight_scale_inv`, beside it) as it is, or read in `dtype` and quantized to `fmt` if given."""
+    for scale in (f"{module}.weight_scale", f"{module}.weight_scale_inv"):
+      if scale in self.where:
+        values_IxO, scale = self.get(f"{module}.weight").T, self.get(scale, np.float32)
+        if scale.size not in (1, values_IxO.shape[1]):  # per block: [O/128, I/128] as stored
+          scale = scale.T
+        return quantization.from_stored(jnp.asarray(values_IxO), scale)
+    w_IxO = self.get(f"{module}.weight", dtype).T
+    return w_IxO if fmt is None else quantization.quantize(jnp.asarray(w_IxO), fmt)
 
 
 def _layer_names(config: ModelConfig) -> dict[str, str]:
@@ -73,13 +93,17 @@ def _layer_names(config: ModelConfig) -> dict[str, str]:
   return names
 
 
-def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None) -> Model:
-  """A Hugging Face model directory as a `Model`. Each tensor is read, cast to `dtype` and, with a `mesh`,
-  placed in its shards before the next is read: no second host copy of the model."""
+def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None, quantize: str | None = None) -> Model:
+  """A Hugging Face model directory as a `Model`. Each tensor is read, cast to `dtype` (quantized weights stay
+  as stored; float linear layers are quantized to `quantize` if given) and, with a `mesh`, placed in its
+  shards before the next is read: no second host copy of the model."""
   path = pathlib.Path(path).absolute()
   hf = json.loads((path / "config.json").read_text())
   generation = path / "generation_config.json"
   config = config_from_hf(hf, dtype, json.loads(generation.read_text()) if generation.is_file() else None)
+  if quantize is not None and config.quantization not in (None, quantize):
+    raise ValueError(f"{path}: its weights are stored in {config.quantization}; it loads as it is, not as {quantize}")
+  config = dataclasses.replace(config, quantization=quantize or config.quantization)
   tokenizer = load_tokenizer(path)
   tensors = _Tensors(path)
   np_dtype = np.dtype(config.jnp_dtype)
@@ -94,6 +118,8 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None) -> Mode
     spec = specs
     for key in spec_path:
       spec = spec[key]
+    if isinstance(spec, quantization.QArray) and not isinstance(x, quantization.QArray):
+      spec = spec.qvalue  # a layer the checkpoint keeps in float among quantized ones
     return sharding.place(x, mesh, spec)
 
   def take(name: str, transpose: bool) -> np.ndarray:
@@ -105,16 +131,14 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None) -> Mode
   for i in range(config.n_layers):
     pre = f"{tensors.prefix}layers.{i}."
     layer = {ours: take(f"{pre}{theirs}.weight", False) for ours, theirs in _layer_names(config).items()}
+    linear = lambda module: tensors.linear(pre + module, np_dtype, quantize)
     if f"{pre}self_attn.qkv_proj.weight" in tensors.where:  # phi3: q | k | v rows, gate | up rows
-      qkv = take(f"{pre}self_attn.qkv_proj.weight", True)
-      layer.update(wq=qkv[:, :q], wk=qkv[:, q:q + kv], wv=qkv[:, q + kv:],
-                   wo=take(f"{pre}self_attn.o_proj.weight", True))
-      gate_up = take(f"{pre}mlp.gate_up_proj.weight", True)
-      layer.update(w_gate=gate_up[:, :config.mlp_dim], w_up=gate_up[:, config.mlp_dim:],
-                   w_down=take(f"{pre}mlp.down_proj.weight", True))
+      qkv, gate_up, cols = linear("self_attn.qkv_proj"), linear("mlp.gate_up_proj"), quantization.columns
+      layer.update(wq=cols(qkv, 0, q), wk=cols(qkv, q, q + kv), wv=cols(qkv, q + kv, q + 2 * kv),
+                   wo=linear("self_attn.o_proj"), w_gate=cols(gate_up, 0, config.mlp_dim),
+                   w_up=cols(gate_up, config.mlp_dim, 2 * config.mlp_dim), w_down=linear("mlp.down_proj"))
     else:
-      layer.update({ours: take(f"{pre}{theirs}.weight", True) for ours, theirs in {**ATTENTION_NAMES,
-                                                                                    **MLP_NAMES}.items()})
+      layer.update({ours: linear(theirs) for ours, theirs in {**ATTENTION_NAMES, **MLP_NAMES}.items()})
     if config.qkv_bias:
       layer.update({ours: take(f"{pre}{theirs}.bias", False) for ours, theirs in BIAS_NAMES.items()})
     layers.append({name: place(x, ("layers", i, name)) for name, x in layer.items()})

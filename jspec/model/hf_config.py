@@ -81,8 +81,49 @@ def _windows(hf: dict, family: str, layers: int) -> tuple[int, ...]:
   return windows if any(windows) else ()
 
 
+def _compressed_tensors(q: dict) -> str:
+  """The format of a compressed-tensors checkpoint's weights: 8-bit floats or ints, symmetric, one scale per
+  output channel or per tensor. Its activation scales (static or dynamic) are not used: jspec computes
+  weight-only, with activations in the model's dtype."""
+  formats = set()
+  for group in (q.get("config_groups") or {}).values():
+    w = group.get("weights") or {}
+    kind = {("float", 8): "fp8", ("int", 8): "int8"}.get((w.get("type"), w.get("num_bits")))
+    if kind is None or w.get("strategy") not in ("channel", "tensor") or not w.get("symmetric", True) \
+        or w.get("group_size") or q.get("format") not in (None, "float-quantized", "int-quantized", "naive-quantized"):
+      raise ValueError(f"unsupported compressed-tensors weights ({w.get('type')} {w.get('num_bits')}-bit, strategy "
+                       f"{w.get('strategy')!r}, format {q.get('format')!r}): jspec reads 8-bit float or int weights "
+                       f"with a scale per channel or per tensor")
+    formats.add(kind)
+  if len(formats) != 1:
+    raise ValueError(f"compressed-tensors config groups of {sorted(formats) or 'no'} weight formats: jspec reads one")
+  return formats.pop()
+
+
+def weight_format(hf: dict) -> str | None:
+  """The stored format of a checkpoint's linear layers (`jspec.model.quantization`), from its
+  `quantization_config`; None for float weights. Anything else is refused in one line."""
+  q = hf.get("quantization_config")
+  if not q:
+    return None
+  method = q.get("quant_method")
+  if method == "compressed-tensors":
+    return _compressed_tensors(q)
+  if method == "fp8":
+    block = q.get("weight_block_size")
+    if list(block or []) != [128, 128] or q.get("fmt", "e4m3") != "e4m3":
+      raise ValueError(f"unsupported fp8 checkpoint (fmt {q.get('fmt')!r}, weight_block_size {block}): jspec reads "
+                       f"e4m3 weights in 128 x 128 blocks")
+    return "fp8-block"
+  detail = ", ".join(f"{k} {q[k]}" for k in ("bits", "group_size") if k in q)
+  raise ValueError(f"unsupported quantization {method!r}" + (f" ({detail})" if detail else "") + ": jspec reads "
+                   f"compressed-tensors FP8/INT8 and block-wise fp8 checkpoints, or quantizes float ones "
+                   f"(--quantize)")
+
+
 def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = None) -> ModelConfig:
   """A `ModelConfig` from a Hugging Face `config.json` (and `generation_config.json`)."""
+  quantization = weight_format(hf)
   hf = _text_config(hf)
   family = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
   if family not in FAMILIES:
@@ -116,4 +157,4 @@ def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = N
       sandwich_norms=gemma, qk_norm=family in ("qwen3", "gemma3"), scale_embeddings=gemma,
       query_scale=float(hf["query_pre_attn_scalar"]) if gemma else None,
       attn_softcap=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
-      final_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None)
+      final_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None, quantization=quantization)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.core.settings import CostModel
-from jspec.model import attention, rope
+from jspec.model import attention, quantization, rope
 from jspec.model import cache as kvcache
 from jspec.model.config import ModelConfig
 
@@ -40,7 +40,8 @@ class Model:
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
-  """Random parameters (scaled normal), for tests and for training from scratch."""
+  """Random parameters (scaled normal), for tests and for training from scratch; the linear layers in
+  `config.quantization` when it names a format."""
   d, h, j, dh, f, v = (config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_dim,
                        config.vocab_size)
   dtype = config.jnp_dtype
@@ -64,7 +65,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   params = dict(embed=dense((v, d), d), layers=layers, final_norm=norm(d))
   if not config.tie_embeddings:
     params["lm_head"] = dense((d, v), d)
-  return params
+  return quantization.quantize_params(params, config.quantization)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
@@ -116,9 +117,10 @@ AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _mlp(layer: Params, h_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
-  gate = h_BxSxD @ layer["w_gate"]
+  linear = quantization.linear
+  gate = linear(h_BxSxD, layer["w_gate"])
   gate = jax.nn.silu(gate) if config.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-  return (gate * (h_BxSxD @ layer["w_up"])) @ layer["w_down"]
+  return linear(gate * linear(h_BxSxD, layer["w_up"]), layer["w_down"])
 
 
 def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
@@ -137,14 +139,14 @@ def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, co
     h = rms_norm(x_BxSxD, layer["attn_norm"], config) if "attn_norm" in layer else x_BxSxD
     if i == 0 and first_input_BxSxA is not None:
       h = first_input_BxSxA
-    q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
+    q, k, v = (quantization.linear(h, layer[name]) for name in ("wq", "wk", "wv"))
     if config.qkv_bias:
       q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q, k, v = heads(q, config.n_heads), heads(k, config.n_kv_heads), heads(v, config.n_kv_heads)
     if config.qk_norm:
       q, k = rms_norm(q, layer["q_norm"], config), rms_norm(k, layer["k_norm"], config)
     q, k = _rope(config, i, q, positions_BxS, rope_len_B), _rope(config, i, k, positions_BxS, rope_len_B)
-    out = attend(i, q, k, v).reshape(batch, seq, -1) @ layer["wo"]
+    out = quantization.linear(attend(i, q, k, v).reshape(batch, seq, -1), layer["wo"])
     if config.sandwich_norms:
       out = rms_norm(out, layer["post_attn_norm"], config)
     x_BxSxD = x_BxSxD + out

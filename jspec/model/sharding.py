@@ -103,7 +103,12 @@ def param_specs(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
     name = next(str(k.key) for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
     axes = ("stack",) * (leaf.ndim - len(PARAM_AXES[name])) + PARAM_AXES[name]  # stacked weights: heads first
     sizes = {**units, "vocab": leaf.shape[axes.index("vocab")]} if "vocab" in axes else units  # a draft vocabulary
-    return logical_to_spec(axes, mesh, sizes)
+    weight = logical_to_spec(axes, mesh, sizes)
+    if getattr(path[-1], "name", None) != "scale":
+      return weight
+    # A quantized weight's scales split with its columns where each shard holds whole channels or blocks.
+    return PartitionSpec(*(axis if axis and n % mesh.shape[axis] == 0 else None
+                           for axis, n in zip(tuple(weight) + (None,) * leaf.ndim, leaf.shape)))
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
