@@ -27,6 +27,7 @@ from jspec.core.settings import (
   DEFAULT_TREE,
   DRAFTERS,
   DTYPES,
+  WEIGHT_FORMATS,
   MAX_DRAFT_LEN,
   MAX_NGRAM,
   AdaptiveConfig,
@@ -82,6 +83,12 @@ def add_model_args(p: argparse.ArgumentParser, config_files: bool = False) -> No
   g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
   g.add_argument("--dtype", choices=DTYPES, default=None,
                  help="parameters and activations (default: float32 on the CPU, bfloat16 on accelerators)")
+  g.add_argument("--quantize", choices=WEIGHT_FORMATS, default=None,
+                 help="the target's attention and MLP weights quantized at load: int8 or fp8 (e4m3) with a scale "
+                      "per output channel, fp8-block with one per 128 x 128 block; weight-only, activations stay in "
+                      "--dtype (a checkpoint stored quantized loads as stored without it)")
+  g.add_argument("--draft-quantize", choices=WEIGHT_FORMATS, default=None,
+                 help="the same for the draft model or EAGLE head")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -230,9 +237,10 @@ def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model
   ask for; `spec` is `speculation(args)`."""
   mesh = jspec.make_mesh(args.mesh) if args.mesh else None
   log.info("loading the target %s", args.target)
-  target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, mesh=mesh)
+  target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, mesh=mesh, quantize=args.quantize)
   draft_mesh = None if args.replicate_draft else mesh
-  draft, drafter = load_draft(args, lambda path: jspec.load(path, dtype=args.dtype, mesh=draft_mesh))
+  draft, drafter = load_draft(args, lambda path: jspec.load(path, dtype=args.dtype, mesh=draft_mesh,
+                                                            quantize=args.draft_quantize))
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
   return target, dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft,
                       attention=args.attention)

@@ -125,11 +125,10 @@ def plan(args: argparse.Namespace):
                        f"{devices}")
     hbm = compile_for.per_device(devices).hbm_bytes
   dtype = planned_dtype(args)
-  load = lambda path: loading.load_shapes(path, dtype)
-  target = load(args.target)
+  target = loading.load_shapes(args.target, dtype, args.quantize)
   if not isinstance(target, loading.Model):
     raise ValueError(f"--target {args.target}: heads, not a model")
-  draft, drafter = flags.load_draft(args, load)
+  draft, drafter = flags.load_draft(args, lambda path: loading.load_shapes(path, dtype, args.draft_quantize))
   drafter = drafter or (draft and drafter_kind(draft))
   spec = None if drafter is None and draft is None else \
       SpecConfig(args.draft_len, drafter=drafter, suffix_cache_tokens=args.suffix_cache_tokens)

@@ -27,6 +27,7 @@ MAX_SUFFIX_CACHE_TOKENS = 1 << 24  # the suffix drafter's index: at most about 6
 MAX_TREE_NODES = 64  # draft tree nodes a round may verify (one target forward over them all)
 DEFAULT_TREE = (4, 16)  # top-k and nodes of a tree for a drafter with no measured shape
 DTYPES = ("float32", "bfloat16")  # what parameters and activations may be computed in
+WEIGHT_FORMATS = ("int8", "fp8", "fp8-block")  # quantized linear layers (`jspec.model.quantization`)
 
 
 def user_cache_dir(name: str) -> str:

@@ -8,11 +8,11 @@ import pathlib
 import jax
 
 from jspec.core import registry, shipped
-from jspec.core.settings import DTYPES
+from jspec.core.settings import DTYPES, WEIGHT_FORMATS
 from jspec.drafters import Heads
 from jspec.formats import checkpoint, head_formats
 from jspec.model import hf, hf_config, model, quantization
-from jspec.model.config import WEIGHT_FORMATS, default_dtype
+from jspec.model.config import default_dtype
 from jspec.model.model import Model
 from jspec.text import tokenizer
 
@@ -54,7 +54,9 @@ def quantized(loaded: Model | Heads, fmt: str | None, where: str | pathlib.Path 
     return loaded
   if stored is not None:
     raise ValueError(f"{where}: its weights are stored in {stored}; it loads as it is, not as {fmt}")
-  params = quantization.quantize_params(loaded.params, fmt)
+  quantize = lambda params: quantization.quantize_params(params, fmt)
+  abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(loaded.params))
+  params = jax.eval_shape(quantize, loaded.params) if abstract else quantize(loaded.params)
   if isinstance(loaded, Model):
     return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, quantization=fmt), params=params)
   if not quantization.is_quantized(params):
@@ -63,11 +65,16 @@ def quantized(loaded: Model | Heads, fmt: str | None, where: str | pathlib.Path 
   return dataclasses.replace(loaded, drafter=drafter, params=params)
 
 
-def load_shapes(path: str | pathlib.Path, dtype: str | None = None) -> Model | Heads:
+def load_shapes(path: str | pathlib.Path, dtype: str | None = None, quantize: str | None = None) -> Model | Heads:
   """A model or heads with their parameters' shapes only (`jax.ShapeDtypeStruct`s), from a checkpoint
   directory (the weights are not read) or a bare `config.json` (jspec's or Hugging Face's) or
   `drafter.json`: what the memory plan needs (`jspec.planning.memory`). A model keeps the `tokenizer.json` beside its
-  config, if any: a draft with another tokenizer than its target's holds more cache (`jspec.text.vocab_map`)."""
+  config, if any: a draft with another tokenizer than its target's holds more cache (`jspec.text.vocab_map`).
+  `quantize`: as `load`'s."""
+  return quantized(_shapes(path, dtype), quantize, path)
+
+
+def _shapes(path: str | pathlib.Path, dtype: str | None) -> Model | Heads:
   dtype = dtype or default_dtype()
   if dtype not in DTYPES:
     raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")

@@ -12,9 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jspec.core.settings import WEIGHT_FORMATS
+
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
-WEIGHT_FORMATS = ("int8", "fp8", "fp8-block")  # quantized linear layers: jspec.model.quantization
 
 
 @dataclasses.dataclass(frozen=True)

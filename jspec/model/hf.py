@@ -114,7 +114,7 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None, quantiz
 
   def place(x: np.ndarray, spec_path: tuple) -> jax.Array:
     if specs is None:
-      return jnp.asarray(x)
+      return jax.tree.map(jnp.asarray, x)
     spec = specs
     for key in spec_path:
       spec = spec[key]

@@ -3,7 +3,8 @@ tree as Qwix `QArray`s (`qvalue [I,O]`, `scale`), so sharding, checkpoints and t
 pytrees.
 
 Formats (a model's `ModelConfig.quantization`):
-- "int8": symmetric int8, one scale per output channel (absmax / 127);
+- "int8": symmetric int8, one scale per output channel (absmax / 127.5, Qwix's
+  bound: the largest magnitudes round to 127 or -128);
 - "fp8": float8_e4m3fn, one scale per output channel (absmax / 448). Compressed-tensors FP8 checkpoints load
   as this format; a per-tensor scale becomes the same scale on every channel (the same weights exactly);
 - "fp8-block": float8_e4m3fn with one scale per 128 x 128 block (`quant_method: "fp8"` checkpoints:
@@ -21,7 +22,6 @@ import jax.numpy as jnp
 import qwix
 from qwix import QArray
 
-from jspec.model.config import WEIGHT_FORMATS
 
 QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8-block": jnp.float8_e4m3fn}
 BLOCK = 128  # fp8-block's tile, both ways

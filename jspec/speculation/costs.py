@@ -1,6 +1,7 @@
 """Which cost model (c, v, o; `jspec.speculation.adaptive`) a decoder uses: a calibration kept in the user's cache for
 exactly these models and devices (`python -m jspec.calibrate` measures one), else the checkpoint's figures
-when they were measured on this backend and device kind, else neutral ones.
+when they were measured on this backend and device kind (with the float target they shipped with), else
+neutral ones.
 
 A calibration is keyed by what its figures depend on: both models' shapes (a digest of their configs and
 their parameters' shapes and dtypes), the drafter kind, the backend and device kind, the dtype, the mesh
@@ -85,8 +86,9 @@ def cost_model(target, draft, kind: str, needs_weights: bool,
   """The cost model the decoder uses, and where it comes from (one of `SOURCES`). The checkpoint's tree
   shape (`CostModel.tree_top_k`, `tree_nodes`) stays whichever figures are used."""
   checkpoint = (target if draft is None else draft).cost_models.get(kind)
-  if checkpoint is not None and checkpoint.target_params not in (None, num_params(target.config)):
-    checkpoint = None  # measured with another target
+  if checkpoint is not None and (checkpoint.target_params not in (None, num_params(target.config))
+                                 or target.config.quantization is not None):
+    checkpoint = None  # measured with another target, or with this one's float weights
   tree = {"tree_top_k": checkpoint and checkpoint.tree_top_k, "tree_nodes": checkpoint and checkpoint.tree_nodes}
   calibrated = stored(target, draft, kind, mesh_shape)
   if calibrated is not None:
