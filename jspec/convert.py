@@ -1,6 +1,7 @@
 """Checkpoint conversion.
 
   python -m jspec.convert HF_DIR OUT_DIR            # a Hugging Face directory (jspec.model.hf_config.FAMILIES) -> jspec
+  python -m jspec.convert HF_DIR OUT_DIR --quantize fp8              # ... with fp8 (or int8) linear layers
   python -m jspec.convert --to-hf JSPEC_DIR OUT_DIR # a jspec checkpoint -> a Hugging Face Llama directory
   python -m jspec.convert --to speculators HEADS OUT_DIR --target TARGET
                                                     # jspec heads -> a published format (`jspec.formats.head_formats`)
@@ -12,7 +13,7 @@ import sys
 
 from jspec import flags
 from jspec.core import shipped
-from jspec.core.settings import SpecConfig
+from jspec.core.settings import WEIGHT_FORMATS, SpecConfig
 from jspec.drafters import Heads
 from jspec.formats import head_formats
 from jspec.formats.checkpoint import save
@@ -36,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--target", help="with --to: the target the heads draft for (a shipped pair's name or a directory)")
   ap.add_argument("--verifier", help="with --to: the target's name as the serving system will load it, recorded in "
                   "the head's config (default: --target as given)")
-  ap.add_argument("--storage-dtype", default=None, help="e.g. bfloat16 to halve the files")
+  ap.add_argument("--storage-dtype", default=None, help="e.g. bfloat16 to halve the files (quantized weights and "
+                  "their scales are kept as they are)")
+  ap.add_argument("--quantize", choices=WEIGHT_FORMATS, default=None,
+                  help="write the linear layers (attention, MLP) quantized: int8 or fp8 with a scale per output "
+                       "channel, fp8-block with one per 128 x 128 block")
   args = ap.parse_args(argv)
   if args.to:
     if args.target is None:
@@ -49,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     head_formats.export(heads, args.to, args.out, target, args.verifier or args.target)
     print(f"wrote {args.out}: {heads.drafter.kind} heads as {args.to} for {args.verifier or args.target}")
     return 0
-  model = load(args.src)
+  if args.quantize and (args.to_hf or args.to):
+    raise ValueError("--quantize writes a jspec checkpoint; --to-hf and --to write float weights")
+  model = load(args.src, quantize=args.quantize)
   if args.to_hf:
     save_hf(model, args.out)
   else:

@@ -28,6 +28,7 @@ from jspec import testing  # noqa: E402
 from jspec.decoding import programs  # noqa: E402
 from jspec.decoding.batches import make_batch  # noqa: E402
 from jspec.decoding.decoder import make_decoder  # noqa: E402
+from jspec.formats import loading  # noqa: E402
 from jspec.model import hf, model, sharding  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
@@ -86,20 +87,27 @@ def collectives(mesh, mode):
           "explicit_shardings": explicit}
 
 
+HF_DIR = pathlib.Path(tempfile.mkdtemp()) / "hf"
+hf.save_hf(target, HF_DIR)
+
+
 def hf_directory_on(mesh) -> dict:
-  """The target written as a Hugging Face directory and read back onto the mesh, tensor by tensor."""
-  path = pathlib.Path(tempfile.mkdtemp()) / "hf"
-  hf.save_hf(target, path)
-  loaded = jspec.load(path, mesh=mesh)
-  want = jax.tree.leaves(sharding.param_specs(loaded.params, CONFIG, mesh),
-                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  """The target's Hugging Face directory read onto the mesh tensor by tensor, quantized to int8 as it is read
+  (values and scales placed by the rules), speculating with an fp8 draft."""
+  loaded = jspec.load(HF_DIR, mesh=mesh, quantize="int8")
+  quantized_draft = loading.quantized(draft, "fp8")
+  specs = sharding.param_specs(loaded.params, CONFIG, mesh)
+  want = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  wq, w_down = specs["layers"][0]["wq"], specs["layers"][0]["w_down"]
   return {"placed_by_the_rules": all(a.sharding.spec == sp for a, sp in zip(jax.tree.leaves(loaded.params), want)),
-          "spec": jspec.generate(loaded, prompts, draft=draft, spec=FIXED, max_new_tokens=12, mesh=mesh).token_ids}
+          "quantized_specs": [str(wq.qvalue), str(wq.scale), str(w_down.qvalue), str(w_down.scale)],
+          "spec": jspec.generate(loaded, prompts, draft=quantized_draft, spec=FIXED, max_new_tokens=12,
+                                 mesh=mesh).token_ids}
 
 
 # Under jax.distributed the test compares plain and speculative tokens with the single-device run of the
 # 8-device worker, and only those.
-out = {"single": None if args.coordinator else runs(None), "meshes": {}}
+out = {"single": None if args.coordinator else {**runs(None), "hf_directory": hf_directory_on(None)}, "meshes": {}}
 for spec in args.meshes.split(";"):
   mesh = sharding.make_mesh(spec)
   if args.coordinator:

@@ -101,7 +101,7 @@ def test_published_quantized_checkpoints_load_as_their_dequantized_models(tmp_pa
   dequantized = _published(tmp_path / "q", fmt, tmp_path / "float")
   loaded = jspec.load(tmp_path / "q", dtype="float32")
   assert loaded.config.quantization == stored
-  assert isinstance(loaded.params["layers"][0]["wq"], quantization.QArray)
+  assert quantization.is_qarray(loaded.params["layers"][0]["wq"])
   reference = hf.load_hf(tmp_path / "float", "float32")
   for i, layer in enumerate(reference.params["layers"]):  # the float model the stored values and scales stand for
     for ours, theirs in {**hf.ATTENTION_NAMES, **hf.MLP_NAMES}.items():
@@ -129,6 +129,12 @@ def test_unsupported_quantization_is_refused_in_one_line(tmp_path, capsys):
 
 
 def test_quantized_checkpoints_save_and_restore_quantized(tmp_path):
+  from jspec import convert
+  hf.save_hf(testing.random_model(BLOCKY), tmp_path / "hf")
+  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "converted"), "--quantize", "fp8"]) == 0
+  converted = jspec.load(tmp_path / "converted")
+  assert converted.config.quantization == "fp8" and quantization.is_quantized(converted.params)
+  assert convert.main([str(tmp_path / "converted"), str(tmp_path / "back"), "--to-hf"]) == 2  # float32 only
   target = loading.quantized(testing.random_model(BLOCKY), "fp8-block")
   heads = loading.quantized(testing.random_eagle3(testing.random_model()), "int8")
   checkpoint.save(target, tmp_path / "model", storage_dtype="bfloat16")  # the stored values and scales stay
@@ -136,7 +142,7 @@ def test_quantized_checkpoints_save_and_restore_quantized(tmp_path):
   for saved, path in ((target, "model"), (heads, "heads")):
     restored = jspec.load(tmp_path / path, dtype="float32")
     assert jax.tree.structure(restored.params) == jax.tree.structure(saved.params)
-    is_q = lambda x: isinstance(x, quantization.QArray)
+    is_q = quantization.is_qarray
     for a, b in zip(jax.tree.leaves(restored.params, is_leaf=is_q), jax.tree.leaves(saved.params, is_leaf=is_q)):
       if is_q(b):  # exactly
         assert a.qvalue.dtype == b.qvalue.dtype and a.scale.dtype == jnp.float32

@@ -36,9 +36,10 @@ def test_greedy_outputs_on_a_mesh_equal_one_device(eight_devices, mesh):
   assert sharded["kernel"] == (single["spec"] if mesh == "data=2,model=4" else None)
   assert single["spec"] == single["ar"]
   assert sharded["continuous"] == single["continuous"], mesh  # inserts into batch-major and heads-major rows
-  # A Hugging Face directory read straight onto the mesh: every tensor in its shards, the same tokens.
+  # A Hugging Face directory read straight onto the mesh and quantized: every tensor and scale in its shards,
+  # the quantized target's tokens on one device.
   assert sharded["hf_directory"]["placed_by_the_rules"]
-  assert sharded["hf_directory"]["spec"] == single["spec"]
+  assert sharded["hf_directory"]["spec"] == single["hf_directory"]["spec"]
 
 
 @pytest.mark.parametrize("mesh", ["data=8", "model=8", "data=2,model=4"])
@@ -54,6 +55,8 @@ def test_partition_specs_follow_the_rules(eight_devices):
                                "wo": "P('model', None)", "w_gate": "P(None, 'model')",
                                "w_down": "P('model', None)", "embed": "P('model', None)"}
   assert tp["cache_spec"] == "P('model', None, None)" and tp["cache_heads_major"]
+  # a quantized weight's scales split with its output channels
+  assert tp["hf_directory"]["quantized_specs"] == ["P(None, 'model')"] * 2 + ["P('model', None)", "P(None, None)"]
   dp = eight_devices["meshes"]["data=8"]
   assert set(dp["param_specs"].values()) == {"P(None, None)"}
   assert dp["cache_spec"] == "P('data', None, None)" and not dp["cache_heads_major"]

@@ -10,6 +10,7 @@ and plots). Every ratio is measured in one process, interleaved (A, B, A, B, ...
   python -m jspec.bench --suite cross-vocab --draft-lens 4 --prompt-sets code   # drafts with another tokenizer
   python -m jspec.bench --suite structured --drafters eagle,model,medusa,ngram   # under constraints
   python -m jspec.bench --suite suffix --drafters ngram,eagle   # drafting from earlier requests' texts
+  python -m jspec.bench --suite quantized --max-new-tokens 128 --prompts 16   # int8/fp8 targets against float
   python -m jspec.bench --suite gpu                  # the prepared check on one NVIDIA GPU (--smoke: anywhere)
   python -m jspec.bench --quick                      # a smoke run of the sweep on tiny random models (CI)
 """
@@ -25,7 +26,7 @@ import jax
 
 import jspec
 from jspec import flags, testing
-from jspec.bench import cross_vocab, end_to_end, gpu, paging, parts, serving, structured, suffix, sweep
+from jspec.bench import cross_vocab, end_to_end, gpu, paging, parts, quantized, serving, structured, suffix, sweep
 from jspec.bench.harness import machine
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.core import shipped
@@ -131,6 +132,9 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                                                           a.max_new_tokens)),
     "paging": ("the paged engine: requests at once in a few slots' memory, a shared prefix's time to first "
                "token, streams' gaps while a long prompt goes in chunks", lambda a, m, o: _paging(a, m, o)),
+    "quantized": ("the target in int8, fp8 and fp8-block against float: teacher-forced agreement and KL, each "
+                  "drafter's tau, a plain step's and an EAGLE round's time",
+                  lambda a, m, o: quantized.suite_quantized(m, _kinds(a), a.max_new_tokens, a.repeats, a.prompts)),
     "gpu": ("the prepared accelerator check: losslessness on the device, an 8B-shaped target against its "
             "weight-streaming bound, verify and round costs", _gpu),
 }

@@ -118,9 +118,8 @@ def _save_params(params: model.Params, path: pathlib.Path, storage_dtype: str | 
   with ocp.StandardCheckpointer() as ckptr:
     # ids stay ids; quantized weights stay as they are
     cast = lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) \
-        and not isinstance(x, quantization.QArray) else x
-    params = params if storage_dtype is None else jax.tree.map(cast, params,
-                                                               is_leaf=lambda x: isinstance(x, quantization.QArray))
+        and not quantization.is_qarray(x) else x
+    params = params if storage_dtype is None else jax.tree.map(cast, params, is_leaf=quantization.is_qarray)
     ckptr.save(path / "params", params, force=True)
   # orbax leaves a marker that spells out the absolute path; a shipped checkpoint must not carry it.
   (path / "params" / "commit_success.txt").unlink(missing_ok=True)

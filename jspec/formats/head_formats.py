@@ -42,6 +42,8 @@ def export(heads: Heads, fmt: str, out: pathlib.Path, target, verifier: str) -> 
   if fmt not in formats():
     raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(formats())}")
   drafter = heads.drafter
+  if drafter.config.quantization is not None:
+    raise ValueError(f"published head formats hold float weights; these heads are {drafter.config.quantization}")
   if drafter.published is None:
     raise ValueError(f"the {drafter.kind} drafter's weights have no published format")
   config, tensors = drafter.published.write(heads, fmt, target, verifier)

@@ -118,7 +118,7 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None, quantiz
     spec = specs
     for key in spec_path:
       spec = spec[key]
-    if isinstance(spec, quantization.QArray) and not isinstance(x, quantization.QArray):
+    if quantization.is_qarray(spec) and not quantization.is_qarray(x):
       spec = spec.qvalue  # a layer the checkpoint keeps in float among quantized ones
     return sharding.place(x, mesh, spec)
 
@@ -168,6 +168,8 @@ def save_hf(m: Model, path: str | pathlib.Path) -> None:
   `tokenizer.json`) that `transformers.AutoModelForCausalLM.from_pretrained` loads, in float32."""
   c = m.config
   _llama_only(c)
+  if c.quantization is not None:
+    raise ValueError(f"a Hugging Face export is written in float32; this model's weights are {c.quantization}")
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   rope = {"rope_theta": c.rope_theta, "rope_scaling": None}

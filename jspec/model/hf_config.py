@@ -117,8 +117,8 @@ def weight_format(hf: dict) -> str | None:
     return "fp8-block"
   detail = ", ".join(f"{k} {q[k]}" for k in ("bits", "group_size") if k in q)
   raise ValueError(f"unsupported quantization {method!r}" + (f" ({detail})" if detail else "") + ": jspec reads "
-                   f"compressed-tensors FP8/INT8 and block-wise fp8 checkpoints, or quantizes float ones "
-                   f"(--quantize)")
+                   "compressed-tensors FP8/INT8 and block-wise fp8 checkpoints, or quantizes float ones "
+                   "(--quantize)")
 
 
 def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = None) -> ModelConfig:

@@ -2,8 +2,9 @@
 
 Parameters are a plain dict: `embed [V,D]`, `final_norm [D]`, optional `lm_head [D,V]`, and `layers`, a list
 of N dicts (`attn_norm, wq [D,H*Dh], wk, wv [D,J*Dh], (bq, bk, bv), wo [H*Dh,D], mlp_norm, w_gate, w_up
-[D,F], w_down [F,D]`). A list rather than stacked arrays keeps each layer's weights and cache their own
-buffers inside the decode loop. (Shape letters: the legend in `jspec/__init__.py`.)
+[D,F], w_down [F,D]`; those seven may be quantized: `jspec.model.quantization`). A list rather than
+stacked arrays keeps each layer's weights and cache their own buffers inside the decode loop. (Shape
+letters: the legend in `jspec/__init__.py`.)
 """
 from __future__ import annotations
 

@@ -12,24 +12,33 @@ Formats (a model's `ModelConfig.quantization`):
 
 The attention projections and the MLP are quantized (`LINEARS`); embeddings, the LM head and norms stay in
 the model's dtype, as the published FP8 checkpoints keep them. Activations stay in the model's dtype.
+
+Qwix (and the flax.nnx and optax it imports) loads with the first quantized weight, not with the decode loop.
 """
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import qwix
-from qwix import QArray
 
+if TYPE_CHECKING:
+  from qwix import QArray
 
 QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8-block": jnp.float8_e4m3fn}
 BLOCK = 128  # fp8-block's tile, both ways
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def is_qarray(x: Any) -> bool:
+  """Whether `x` is a quantized weight (none exists before Qwix is imported)."""
+  return "qwix" in sys.modules and isinstance(x, sys.modules["qwix"].QArray)
+
+
 def quantize(w_IxO: jax.Array, fmt: str) -> QArray:
   """A float weight [I,O] in `fmt`, symmetric, scaled by its absolute maximum per channel or per block."""
+  import qwix
   if fmt == "fp8-block":
     if w_IxO.shape[0] % BLOCK or w_IxO.shape[1] % BLOCK:
       raise ValueError(f"fp8-block needs weights in whole {BLOCK} x {BLOCK} blocks; one is {w_IxO.shape}")
@@ -46,16 +55,18 @@ def from_stored(values_IxO: jax.Array, scale: jax.Array) -> QArray:
   elif scale.shape != (values_IxO.shape[0] // BLOCK, values_IxO.shape[1] // BLOCK):
     raise ValueError(f"a weight of {values_IxO.shape} with scales of {scale.shape}: neither per channel, per "
                      f"tensor nor per {BLOCK} x {BLOCK} block")
+  from qwix import QArray
   return QArray(values_IxO, scale, None, values_IxO.dtype)
 
 
 def columns(w_IxO: jax.Array | QArray, start: int, stop: int) -> jax.Array | QArray:
   """Output channels [start, stop) of a float or quantized weight (a fused projection's part)."""
-  if not isinstance(w_IxO, QArray):
+  if not is_qarray(w_IxO):
     return w_IxO[:, start:stop]
   if not per_channel(w_IxO) and (start % BLOCK or stop % BLOCK):
     raise ValueError(f"a fused projection splits at column {start or stop}, inside a {BLOCK}-wide block of scales")
   tile = 1 if per_channel(w_IxO) else BLOCK
+  from qwix import QArray
   return QArray(w_IxO.qvalue[:, start:stop], w_IxO.scale[:, start // tile:stop // tile], None, w_IxO.qtype)
 
 
@@ -64,7 +75,7 @@ def quantize_params(params: Any, fmt: str | None) -> Any:
   if fmt is None:
     return params
   if isinstance(params, dict):
-    return {k: quantize(v, fmt) if k in LINEARS and not isinstance(v, QArray) else quantize_params(v, fmt)
+    return {k: quantize(v, fmt) if k in LINEARS and not is_qarray(v) else quantize_params(v, fmt)
             for k, v in params.items()}
   if isinstance(params, (list, tuple)):
     return type(params)(quantize_params(v, fmt) for v in params)
@@ -73,8 +84,13 @@ def quantize_params(params: Any, fmt: str | None) -> Any:
 
 def dequantize_params(params: Any, dtype) -> Any:
   """The float model that the quantized one computes with: each `QArray` as `values * scale` in `dtype`."""
-  return jax.tree.map(lambda x: qwix.dequantize(x).astype(dtype) if isinstance(x, QArray) else x, params,
-                      is_leaf=lambda x: isinstance(x, QArray))
+  return jax.tree.map(lambda x: dequantize(x).astype(dtype) if is_qarray(x) else x, params, is_leaf=is_qarray)
+
+
+def dequantize(w: QArray) -> jax.Array:
+  """`values * scale`, in float32."""
+  import qwix
+  return qwix.dequantize(w)
 
 
 def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
@@ -86,16 +102,16 @@ def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
   (Qwix's own `dot_general` with a float left side dequantizes to the scale's dtype, float32, and then runs
   the dot in float32 as well.)
   """
-  if not isinstance(w, QArray):
+  if not is_qarray(w):
     return x @ w
   if not per_channel(w):
-    return x @ qwix.dequantize(w).astype(x.dtype)
+    return x @ dequantize(w).astype(x.dtype)
   y = jnp.matmul(x, w.qvalue.astype(x.dtype), preferred_element_type=jnp.float32)
   return (y * w.scale[0]).astype(x.dtype)
 
 
 def is_quantized(params: Any) -> bool:
-  return any(isinstance(x, QArray) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray)))
+  return any(map(is_qarray, jax.tree.leaves(params, is_leaf=is_qarray)))
 
 
 def per_channel(w: QArray) -> bool:
