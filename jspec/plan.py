@@ -199,7 +199,7 @@ def mean_len(args: argparse.Namespace, p) -> int:
   return args.mean_len or max(p.context // 2, 1)
 
 
-COST_SOURCES = {"compiled": "", "unoptimized": " of the module before optimization, per device"}
+COST_SOURCES = {"compiled": "", "optimized hlo": " in the optimized module, per device"}
 
 
 def describe_compiled(r, tau: float = 3.0) -> str:

@@ -46,7 +46,7 @@ def main() -> None:
       placed = sharding.place_decoder(mesh, decoder, batch)
       abstract = sharding.place(memory.abstract_batch(placed, batch, width, capacity), mesh)
       begin = time.perf_counter()
-      xla = accelerators.compiled(programs.lower(placed, abstract), len(devices))
+      xla = accelerators.compiled(programs.lower(placed, abstract))
       seconds = time.perf_counter() - begin
       total = xla.total_bytes
       print(f"| {batch} | {context:,} | {total / 1e9:.2f} | {estimated / 1e9:.2f} | {estimated / total:.3f} | "

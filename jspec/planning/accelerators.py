@@ -5,7 +5,8 @@ With `libtpu` installed (`pip install -e ".[tpu]"`), or the CUDA plugin (`pip in
 program, lowered with abstract weights sharded over a mesh of them, compiles for that hardware (Mosaic or
 Triton kernels included), and the executable says what XLA will allocate per device (`memory_analysis`) and
 how many FLOPs and bytes it moves (`cost_analysis`; the CUDA compiler reports none, so a GPU program's are
-the unoptimized module's, counted by XLA's cost analysis on this machine's CPU client). The time estimates
+counted by XLA's cost analysis, on this machine's CPU client, of the optimized module the GPU executable holds:
+its fusions, as the GPU runs them). The time estimates
 divide those by a chip's public peak figures (`CHIPS`): a roofline, not a measurement.
 """
 from __future__ import annotations
@@ -104,34 +105,35 @@ class Compiled:
   flops: float
   bytes_accessed: float
   alias_bytes: int = 0  # outputs that reuse a donated argument's buffer
-  cost_source: str = "compiled"  # whose FLOPs and bytes: the executable's, or "unoptimized" (`unoptimized_cost`)
+  cost_source: str = "compiled"  # whose FLOPs and bytes: the executable's, or "optimized hlo" (`hlo_cost`)
 
   @property
   def total_bytes(self) -> int:
     return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes + self.code_bytes
 
 
-def compiled(lowered, devices: int) -> Compiled:
-  """What XLA says of `lowered` compiled for its `devices` devices."""
+def compiled(lowered) -> Compiled:
+  """What XLA says of `lowered` compiled for its devices, per device."""
   executable = lowered.compile()
   m = executable.memory_analysis()
   cost, source = executable.cost_analysis(), "compiled"
   if not cost:
-    cost, source = unoptimized_cost(lowered, devices), "unoptimized"
+    cost, source = hlo_cost(executable), "optimized hlo"
   cost = cost[0] if isinstance(cost, list) else cost
   return Compiled(int(m.argument_size_in_bytes), int(m.temp_size_in_bytes), int(m.output_size_in_bytes),
                   int(m.generated_code_size_in_bytes), float(cost.get("flops", 0.0)),
                   float(cost.get("bytes accessed", 0.0)), int(m.alias_size_in_bytes), source)
 
 
-def unoptimized_cost(lowered, devices: int) -> dict[str, float]:
-  """XLA's FLOPs and bytes of `lowered`'s module before optimization, per device (the whole program's over its
-  devices: the sharded work splits evenly, a replicated part is counted once), by this machine's CPU client:
-  what a GPU program's estimate reads, since the CUDA compiler reports no cost of its executables."""
+def hlo_cost(executable) -> dict[str, float]:
+  """XLA's FLOPs and bytes of the optimized (per-device) module an executable holds, by this machine's CPU
+  client: what a GPU program's estimate reads, since the CUDA compiler reports no cost of its executables.
+  Each fusion counts the bytes it reads and writes, as the GPU runs it (an int8 weight read inside a GEMM
+  fusion counts one byte per weight)."""
   from jax._src.lib import _jax  # the analysis `Lowered.cost_analysis` runs, given a client that has one
-  module = lowered.compiler_ir("hlo").as_hlo_module()
+  module = executable.runtime_executable().hlo_modules()[0]
   cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
-  return {k: cost.get(k, 0.0) / devices for k in ("flops", "bytes accessed")}
+  return {k: cost.get(k, 0.0) for k in ("flops", "bytes accessed")}
 
 
 def workspace_per_row(target: Target, decoder: Decoder, batch: int, prompt_width: int, capacity: int,
@@ -217,14 +219,13 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
   program_decoder = place(decoder)
   abstract = sharding.place(memory.abstract_batch(program_decoder, batch, prompt_width, capacity), mesh)
-  program = compiled(programs.lower(program_decoder, abstract), len(devices))
+  program = compiled(programs.lower(program_decoder, abstract))
   placed = program_decoder if round_decoder is None else place(round_decoder)
   state = started_state(placed, abstract, capacity)
   per_device = target.per_device(len(devices))
   # The state donated, as the loop updates it in place: no copy of the caches into a fresh output counts.
   step_time = lambda step: roofline_seconds(compiled(jax.jit(step, in_shardings=_shardings((placed, state)),
-                                                             donate_argnums=1).lower(placed, state),
-                                                    len(devices)), per_device)
+                                                             donate_argnums=1).lower(placed, state)), per_device)
   plain = step_time(loop.autoregressive_step)
   spec_round = step_time(loop.speculative_step) if placed.drafter is not None else plain
   kernel = placed.kernel(placed.target_config.head_dim)
@@ -242,11 +243,10 @@ def compile_server(decoder: Decoder, slots: int, prompt_width: int, capacity: in
   are pools of `pages` pages (None: contiguous rows). The state lives between calls (donated to each), so a
   segment's arguments hold it beside the weights."""
   mesh = decoder.layout.mesh
-  devices = mesh.devices.size
   idle = sharding.place(memory.abstract_batch(decoder, slots, batches.prompt_bucket(1), capacity, pages), mesh)
   state = started_state(decoder, idle, capacity)
   one = sharding.place(memory.abstract_batch(decoder, 1, prompt_width, capacity, pages, pages is not None), mesh)
   scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
   return {"segment": compiled(programs.segment.lower(decoder, state, scalar(jnp.int32), scalar(jnp.bool_),
-                                                     scalar(jnp.bool_, (slots,)), width=slots), devices),
-          "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)), devices)}
+                                                     scalar(jnp.bool_, (slots,)), width=slots)),
+          "insert": compiled(programs.insert.lower(decoder, state, one, scalar(jnp.int32)))}
