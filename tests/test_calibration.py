@@ -11,7 +11,7 @@ import jspec
 from jspec import calibrate, cli, testing
 from jspec.core.settings import AdaptiveConfig, CostModel, SpecConfig
 from jspec.decoding.decoder import make_decoder
-from jspec.formats import checkpoint
+from jspec.formats import checkpoint, loading
 from jspec.planning import calibration
 from jspec.speculation import costs
 
@@ -37,6 +37,7 @@ def test_a_calibration_is_kept_for_exactly_its_models_and_devices(tmp_path):
                             draft, "model") is None
   assert costs.stored(target, None, "ngram") is None
   assert costs.stored(target, draft, "model", (2, 1)) is None
+  assert costs.stored(loading.quantized(target, "int8"), draft, "model") is None  # each weight format its own
   # The weights' values are not part of it: retrained weights of the same shapes keep the calibration.
   assert costs.stored(target, testing.perturbed(draft, 0.1), "model") == measured
   # A corrupt file is as good as none.
@@ -53,6 +54,8 @@ def test_the_decoder_uses_the_calibration_else_the_checkpoint_else_neutral_and_s
   assert (policy(elsewhere).cost, policy(elsewhere).cost_source) == (CostModel.neutral(), "neutral")
   here = dataclasses.replace(draft, cost_models={"model": CostModel(0.3, 0.1, 0.6, **testing.measured_here())})
   assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.3, 0.1, 0.6), "checkpoint")
+  int8 = loading.quantized(target, "int8")  # the checkpoint's figures were measured with the float target
+  assert costs.cost_model(int8, here, "model", True) == (CostModel.neutral(), "neutral")
   costs.store(target, draft, "model", CostModel(0.25, 0.0, 0.5, **testing.measured_here()))
   assert (policy(here).cost, policy(here).cost_source) == (CostModel(0.25, 0.0, 0.5), "calibrated")
   stats = jspec.generate(target, [[1, 2]], draft=here, max_new_tokens=4, draft_len=2).stats.to_dict()
