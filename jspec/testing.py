@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 
 import jax
@@ -36,6 +37,12 @@ def fixed_k(draft_len: int = 4, **kw) -> SpecConfig:
   """Speculation with K drafted every round (adaptive K chooses K for the whole batch, so a sampled row's
   tokens would depend on its neighbours)."""
   return SpecConfig(draft_len, adaptive=None, **kw)
+
+
+def simulated_devices_env(devices: int) -> dict[str, str]:
+  """The environment of a subprocess whose JAX sees `devices` simulated CPU devices."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  return {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
 
 
 def measured_here() -> dict[str, str]:

@@ -45,8 +45,9 @@ gc.set_threshold(50_000, 20, 20)
 # the next file when it is nearly done with its own, so starting the long files first leaves only short ones
 # for the end, when a worker may otherwise wait alone. A file not listed (new) starts first: its time is unknown.
 BY_TIME = ("test_paging.py", "test_serve.py", "test_drafters.py", "test_constraints.py", "test_hf.py",
-           "test_hlo.py", "test_sharding.py", "test_stream.py", "test_tree.py", "test_train.py",
-           "test_sampling.py", "test_cli.py", "test_cross_vocab.py", "test_adaptive.py", "test_calibration.py",
+           "test_hlo.py", "test_sharding.py", "test_paged_mesh.py", "test_stream.py", "test_tree.py", "test_train.py",
+           "test_sampling.py", "test_cli.py", "test_cross_vocab.py", "test_adaptive.py", "test_quantization.py",
+           "test_calibration.py",
            "test_model.py", "test_gpu_check.py", "test_decode.py", "test_memory.py", "test_engine.py",
            "test_suffix.py", "test_executables.py", "test_accelerators.py", "test_package.py", "test_head_formats.py",
            "test_logprobs.py", "test_pallas_attention.py", "test_extension.py")

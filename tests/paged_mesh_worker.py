@@ -1,4 +1,4 @@
-"""Run by tests/test_sharding.py on 8 simulated CPU devices: engines whose paged KV caches split kv heads over
+"""Run by tests/test_paged_mesh.py on 8 simulated CPU devices: engines whose paged KV caches split kv heads over
 a mesh's model axis and pages over its data axis, against one device's engine. Requests arrive while others
 decode, share a 200-token prefix, are prefilled in chunks of 96 tokens and preempted (7 pages for 4 slots);
 writes the tokens, prefix hits, preemptions and the loop's collectives as JSON. The drafters: a draft model's
