@@ -22,12 +22,11 @@ from jspec.model import model
 def agreement(float_target: jspec.Model, quantized: jspec.Model, texts: list[list[int]], scored: int) -> dict:
   """Teacher-forced over `texts` (a prompt and the float target's greedy continuation each): at each of the last
   `scored` positions, whether both models' argmax agree, and KL(float || quantized) of their next-token laws."""
-  forward = lambda m: jax.jit(lambda t: model.forward_full(m.params, t, m.config)[0])
+  forwards = [jax.jit(lambda t, m=m: model.forward_full(m.params, t, m.config)[0]) for m in (float_target, quantized)]
   same, kls = [], []
   for text in texts:
     tokens = jnp.asarray([text])
-    p_logits, q_logits = (np.asarray(forward(m)(tokens)[0, -scored - 1:-1], np.float64)
-                          for m in (float_target, quantized))
+    p_logits, q_logits = (np.asarray(forward(tokens)[0, -scored - 1:-1], np.float64) for forward in forwards)
     log_p = p_logits - np.logaddexp.reduce(p_logits, axis=-1, keepdims=True)
     log_q = q_logits - np.logaddexp.reduce(q_logits, axis=-1, keepdims=True)
     same += (p_logits.argmax(-1) == q_logits.argmax(-1)).tolist()
