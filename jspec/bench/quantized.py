@@ -6,27 +6,24 @@ import json
 import statistics
 import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jspec
+from jspec import testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import heldout_prompts
 from jspec.core.settings import WEIGHT_FORMATS, SpecConfig
 from jspec.core.timing import interleaved
 from jspec.formats import loading
-from jspec.model import model
 
 
 def agreement(float_target: jspec.Model, quantized: jspec.Model, texts: list[list[int]], scored: int) -> dict:
   """Teacher-forced over `texts` (a prompt and the float target's greedy continuation each): at each of the last
   `scored` positions, whether both models' argmax agree, and KL(float || quantized) of their next-token laws."""
-  forwards = [jax.jit(lambda t, m=m: model.forward_full(m.params, t, m.config)[0]) for m in (float_target, quantized)]
   same, kls = [], []
   for text in texts:
-    tokens = jnp.asarray([text])
-    p_logits, q_logits = (np.asarray(forward(tokens)[0, -scored - 1:-1], np.float64) for forward in forwards)
+    p_logits, q_logits = (np.asarray(testing.full_logits(m, [text])[0, -scored - 1:-1], np.float64)
+                          for m in (float_target, quantized))
     log_p = p_logits - np.logaddexp.reduce(p_logits, axis=-1, keepdims=True)
     log_q = q_logits - np.logaddexp.reduce(q_logits, axis=-1, keepdims=True)
     same += (p_logits.argmax(-1) == q_logits.argmax(-1)).tolist()
@@ -38,8 +35,8 @@ def suite_quantized(pair: Models, kinds: list[str], max_new: int, repeats: int, 
                     draft_len: int = 4) -> dict:
   """The shipped target in each weight format against float: `agreement` over `count` held-out code prompts
   continued `max_new` tokens; each drafter's τ (greedy, K = `draft_len` every round, batch 1) on each target;
-  and, interleaved per prompt, a plain decode and an EAGLE decode of `max_new` tokens per target (ms per
-  plain step, ms per EAGLE round)."""
+  and, interleaved per prompt, a plain decode and an EAGLE decode of `max_new` tokens per target, timed end to
+  end (prefill included) per token and per EAGLE round."""
   float_target = jspec.load(pair.target)
   targets = {"float": float_target, **{f: loading.quantized(float_target, f) for f in WEIGHT_FORMATS}}
   drafts = {kind: shipped_pair(pair, kind)[1] for kind in kinds}

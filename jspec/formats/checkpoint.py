@@ -117,8 +117,8 @@ def _save_params(params: model.Params, path: pathlib.Path, storage_dtype: str | 
   """Writes `path/params` with orbax, optionally cast to `storage_dtype`."""
   with ocp.StandardCheckpointer() as ckptr:
     # ids stay ids; quantized weights stay as they are
-    cast = lambda x: x.astype(storage_dtype) if jnp.issubdtype(x.dtype, jnp.floating) \
-        and not quantization.is_qarray(x) else x
+    cast = lambda x: x if quantization.is_qarray(x) or not jnp.issubdtype(x.dtype, jnp.floating) \
+        else x.astype(storage_dtype)
     params = params if storage_dtype is None else jax.tree.map(cast, params, is_leaf=quantization.is_qarray)
     ckptr.save(path / "params", params, force=True)
   # orbax leaves a marker that spells out the absolute path; a shipped checkpoint must not carry it.
