@@ -22,6 +22,7 @@ adds one (K1 = K + 1, S1 = S + 1).
   Z  candidate nodes a dynamic tree grows before it keeps M
   U  a constraint automaton's states     Y  its token classes (tokens alike in every state)
   I  entries whose automaton states are looked up at once (a path, a tree chunk)
+  O  experts of a mixture-of-experts layer    Ok the experts a token runs (top-k)    Fe an expert's MLP width
 """
 from __future__ import annotations
 

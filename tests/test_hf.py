@@ -57,6 +57,16 @@ FAMILIES = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "phi3": (transformers.Phi3Config, dict(partial_rotary_factor=0.5, sliding_window=8)),
+    # mixtures of experts: softmax routing renormalized or not, a dense layer among sparse ones; sigmoid routing
+    # among groups with the correction bias, shared experts, a q/k/v bias, q/k norms and half-rotary heads
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, norm_topk_prob=False,
+                                                    mlp_only_layers=[1])),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "glm4_moe": (transformers.Glm4MoeConfig, dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, attention_bias=True,
+        use_qk_norm=True)),
 }
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(0, 256, 20)]
 NEW = 24
@@ -72,6 +82,9 @@ def make_hf(tmp: pathlib.Path, family: str, seed: int = 0, shard: bool = False, 
     for name, p in m.named_parameters():
       if "norm" in name:
         p.add_(0.2 * torch.randn_like(p))
+    for name, b in m.named_buffers():
+      if "e_score_correction_bias" in name:
+        b.copy_(0.1 * torch.randn_like(b))
   path = tmp / f"{family}-{seed}"
   m.save_pretrained(path, **({"max_shard_size": "100KB"} if shard else {}))
   byte_tokenizer().save(str(path / "tokenizer.json"))
@@ -269,7 +282,7 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   m, path = make_hf(tmp_path, "qwen2")
   cfg = json.loads((path / "config.json").read_text())
   for change, message in [
-      ({"model_type": "gpt2"}, "unsupported model_type 'gpt2': jspec reads gemma2, gemma3, llama, mistral, phi3"),
+      ({"model_type": "gpt2"}, "unsupported model_type 'gpt2': jspec reads gemma2, gemma3, glm4_moe, llama"),
       ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling.rope_type 'longrope'"),
       ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "unsupported RoPE scaling type 'su'"),
       ({"hidden_act": "relu"}, "unsupported hidden_act 'relu'"),

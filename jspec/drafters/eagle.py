@@ -156,10 +156,11 @@ class EagleDrafter(Drafter):
   @classmethod
   def for_target(cls, target_config: ModelConfig, mlp_dim: int | None = None,
                  feature_layers: tuple[int, ...] = (), draft_vocab: int | None = None) -> EagleDrafter:
-    """An EAGLE head for a target: one layer like the target's last, at its width; EAGLE-1 with a bias on
-    `fc` as the EAGLE repository trains it, EAGLE-3 over `draft_vocab` tokens (default: all)."""
+    """An EAGLE head for a target: one layer like the target's last, at its width, with a dense MLP (as the
+    published heads of mixture-of-experts targets have); EAGLE-1 with a bias on `fc` as the EAGLE repository
+    trains it, EAGLE-3 over `draft_vocab` tokens (default: all)."""
     config = dataclasses.replace(target_config, n_layers=1, mlp_dim=mlp_dim or target_config.mlp_dim,
-                                 sliding_windows=target_config.sliding_windows[-1:])
+                                 sliding_windows=target_config.sliding_windows[-1:], moe=None)
     if feature_layers:
       return cls(config, tuple(feature_layers), draft_vocab or target_config.vocab_size)
     return cls(config, fc_bias=True)

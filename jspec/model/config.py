@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jspec.core.settings import WEIGHT_FORMATS
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+ROUTINGS = ("softmax", "sigmoid")
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
 
 
@@ -37,6 +38,33 @@ class RopeScaling:
   def __post_init__(self):
     if self.type not in ROPE_TYPES:
       raise ValueError(f"unsupported RoPE scaling type {self.type!r}: jspec reads {', '.join(ROPE_TYPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """Mixture-of-experts MLPs (`jspec.model.moe`): each token's MLP is the weighted sum of `top_k` of
+  `experts` small gated MLPs, chosen per token by a router, plus `shared_dim` columns of an MLP every token
+  runs (shared experts). The layers in `dense_layers` keep an ordinary MLP of `ModelConfig.mlp_dim`."""
+  experts: int
+  top_k: int
+  expert_dim: int  # each expert's MLP width
+  routing: str = "softmax"  # softmax over the router's logits (Mixtral, Qwen3), or sigmoid (GLM-4.5, DeepSeek-V3)
+  normalize: bool = True  # the chosen experts' weights are divided by their sum
+  scale: float = 1.0  # and then multiplied by this (routed_scaling_factor)
+  groups: int = 1  # sigmoid routing chooses among the experts of the `top_groups` best groups only
+  top_groups: int = 1
+  shared_dim: int = 0
+  dense_layers: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.routing not in ROUTINGS:
+      raise ValueError(f"unsupported expert routing {self.routing!r}: jspec has {', '.join(ROUTINGS)}")
+    if not 0 < self.top_k <= self.experts or self.experts % self.groups or not 0 < self.top_groups <= self.groups:
+      raise ValueError(f"a router choosing {self.top_k} of {self.experts} experts in {self.top_groups} of "
+                       f"{self.groups} groups")
+
+  def sparse(self, layer: int) -> bool:
+    return layer not in self.dense_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +99,7 @@ class ModelConfig:
   attn_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap) (Gemma 2)
   final_softcap: float | None = None  # the same on the output logits
   quantization: str | None = None  # the linear layers' stored format (WEIGHT_FORMATS); None: `dtype`
+  moe: MoeConfig | None = None  # mixture-of-experts MLPs; None: every layer's MLP is dense
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -81,6 +110,8 @@ class ModelConfig:
       raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.n_layers} layers")
     if self.quantization not in (None, *WEIGHT_FORMATS):
       raise ValueError(f"unknown weight format {self.quantization!r}: jspec has {', '.join(WEIGHT_FORMATS)}")
+    if self.moe is not None and self.quantization is not None:
+      raise ValueError(f"unsupported: a mixture of experts in {self.quantization}; jspec holds experts in float")
     if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
       raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must leave an even rotary dimension")
 
@@ -113,6 +144,8 @@ class ModelConfig:
     d = dict(d)
     if isinstance(d.get("rope_scaling"), dict):
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if isinstance(d.get("moe"), dict):
+      d["moe"] = MoeConfig(**{**d["moe"], "dense_layers": tuple(d["moe"].get("dense_layers", ()))})
     for name in ("eos_id", "sliding_windows"):  # JSON lists back to hashable tuples
       if isinstance(d.get(name), list):
         d[name] = tuple(d[name])
@@ -124,12 +157,20 @@ def default_dtype() -> str:
   return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def num_params(config: ModelConfig) -> int:
-  """Parameter count, from the config alone."""
-  d, h, j, dh, f, v = (config.dim, config.n_heads, config.n_kv_heads, config.head_dim,
-                       config.mlp_dim, config.vocab_size)
+def num_params(config: ModelConfig, active: bool = False) -> int:
+  """Parameter count, from the config alone; `active`: only the experts one token runs are counted."""
+  d, h, j, dh, v = config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.vocab_size
   attn = d * h * dh + 2 * d * j * dh + h * dh * d + (h * dh + 2 * j * dh) * config.qkv_bias
   norms = (4 if config.sandwich_norms else 2) * d + 2 * dh * config.qk_norm
-  layer = attn + 3 * d * f + norms
   head = 0 if config.tie_embeddings else d * v
-  return v * d + config.n_layers * layer + d + head
+  return v * d + sum(attn + norms + mlp_params(config, i, active) for i in range(config.n_layers)) + d + head
+
+
+def mlp_params(config: ModelConfig, layer: int, active: bool = False) -> int:
+  """A layer's MLP parameters: a dense MLP's, or a mixture's (router, experts, shared experts)."""
+  moe = config.moe
+  if moe is None or not moe.sparse(layer):
+    return 3 * config.dim * config.mlp_dim
+  experts = moe.top_k if active else moe.experts
+  return (config.dim * moe.experts + moe.experts * (moe.routing == "sigmoid")
+          + 3 * config.dim * (experts * moe.expert_dim + moe.shared_dim))

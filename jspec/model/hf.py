@@ -1,4 +1,5 @@
-"""Hugging Face model directories, read without torch: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3.
+"""Hugging Face model directories, read without torch: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, and the
+mixtures of experts qwen3_moe, mixtral and glm4_moe (their experts stacked, [O,D,Fe] and [O,Fe,D]).
 
 Reads `config.json` (transformers 4's `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`),
 `generation_config.json` (more stop tokens), the safetensors files tensor by tensor with the `safetensors`
@@ -23,7 +24,7 @@ from safetensors.numpy import save_file
 from jspec.core.tensor_files import FLOAT8, read_float8
 from jspec.model import model, quantization, sharding
 from jspec.model.config import ModelConfig
-from jspec.model.hf_config import ATTENTION_NAMES, BIAS_NAMES, MLP_NAMES, config_from_hf
+from jspec.model.hf_config import ATTENTION_NAMES, BIAS_NAMES, MLP_NAMES, MOE_NAMES, config_from_hf
 from jspec.model.model import Model
 from jspec.text.tokenizer import load_chat_template, load_tokenizer
 
@@ -138,7 +139,11 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None, quantiz
                    wo=linear("self_attn.o_proj"), w_gate=cols(gate_up, 0, config.mlp_dim),
                    w_up=cols(gate_up, config.mlp_dim, 2 * config.mlp_dim), w_down=linear("mlp.down_proj"))
     else:
-      layer.update({ours: linear(theirs) for ours, theirs in {**ATTENTION_NAMES, **MLP_NAMES}.items()})
+      layer.update({ours: linear(theirs) for ours, theirs in ATTENTION_NAMES.items()})
+      if config.moe is None or not config.moe.sparse(i):
+        layer.update({ours: linear(theirs) for ours, theirs in MLP_NAMES.items()})
+      else:
+        layer.update(_experts(tensors, pre, config, hf["model_type"], take))
     if config.qkv_bias:
       layer.update({ours: take(f"{pre}{theirs}.bias", False) for ours, theirs in BIAS_NAMES.items()})
     layers.append({name: place(x, ("layers", i, name)) for name, x in layer.items()})
@@ -150,9 +155,23 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None, quantiz
   return Model(config=config, params=params, tokenizer=tokenizer, chat_template=load_chat_template(path))
 
 
+def _experts(tensors: _Tensors, pre: str, config: ModelConfig, family: str, take) -> dict[str, np.ndarray]:
+  """A sparse layer's router, stacked experts [O,D,Fe] / [O,Fe,D], correction bias and shared experts."""
+  names, moe = MOE_NAMES[family], config.moe
+  out = {"router": take(f"{pre}{names['router']}.weight", True)}
+  for ours in ("we_gate", "we_up", "we_down"):
+    out[ours] = np.stack([take(f"{pre}{names['experts']}.{e}.{names[ours]}.weight", True) for e in range(moe.experts)])
+  if moe.routing == "sigmoid":
+    out["router_bias"] = take(f"{pre}{names['router']}.e_score_correction_bias", False)
+  if moe.shared_dim:
+    out.update({ours: take(f"{pre}mlp.shared_experts.{theirs.split('.')[-1]}.weight", True)
+                for ours, theirs in MLP_NAMES.items()})
+  return out
+
+
 def _llama_only(c: ModelConfig) -> None:
   """A Hugging Face export is a Llama directory: refuse what Llama cannot say."""
-  features = dict(qkv_bias="a q/k/v bias", sandwich_norms="sandwich norms", qk_norm="q/k norms",
+  features = dict(moe="experts", qkv_bias="a q/k/v bias", sandwich_norms="sandwich norms", qk_norm="q/k norms",
                   scale_embeddings="scaled embeddings", sliding_windows="sliding windows",
                   attn_softcap="soft-capping", final_softcap="soft-capping", local_rope_theta="local RoPE bases",
                   query_scale="a query scale", norm_plus_one="(1 + w) norms")

@@ -3,9 +3,9 @@
 directories (weights, tokenizer) is `jspec.model.hf`'s."""
 from __future__ import annotations
 
-from jspec.model.config import ModelConfig, RopeScaling
+from jspec.model.config import ModelConfig, MoeConfig, RopeScaling
 
-FAMILIES = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3")
+FAMILIES = ("gemma2", "gemma3", "glm4_moe", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # What a Gemma 3 text config leaves out means transformers' defaults (Hub files of the multimodal models
 # give only a few fields of `text_config`).
@@ -17,6 +17,12 @@ GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_va
 ATTENTION_NAMES = dict(wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj", wo="self_attn.o_proj")
 MLP_NAMES = dict(w_gate="mlp.gate_proj", w_up="mlp.up_proj", w_down="mlp.down_proj")
 BIAS_NAMES = dict(bq="self_attn.q_proj", bk="self_attn.k_proj", bv="self_attn.v_proj")
+# A sparse layer's modules (`...layers.{i}.`): the router, and each expert's gate, up and down projections
+# (`{experts}.{e}.{name}`), by family; shared experts are `mlp.shared_experts.` + MLP_NAMES' last parts.
+MOE_NAMES = {"mixtral": dict(router="block_sparse_moe.gate", experts="block_sparse_moe.experts",
+                             we_gate="w1", we_up="w3", we_down="w2")}
+MOE_NAMES["qwen3_moe"] = MOE_NAMES["glm4_moe"] = dict(router="mlp.gate", experts="mlp.experts", we_gate="gate_proj",
+                                                     we_up="up_proj", we_down="down_proj")
 
 
 def _text_config(hf: dict) -> dict:
@@ -28,7 +34,7 @@ def _text_config(hf: dict) -> dict:
   return hf
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None, float | None, float]:
+def _rope(hf: dict, partial_default: float = 1.0) -> tuple[float, RopeScaling | None, float | None, float]:
   """(theta, scaling, the local layers' theta, partial rotary factor) from either generation of keys."""
   params = hf.get("rope_parameters") or {}
   local = None
@@ -39,7 +45,7 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None, float | None, float]:
   local = local if local is not None else hf.get("rope_local_base_freq")
   scaling = hf.get("rope_scaling") or params
   kind = scaling.get("rope_type", scaling.get("type", "default"))
-  partial = float(hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+  partial = float(hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or partial_default)
   if kind == "default":
     return theta, None, local, partial
   if kind == "longrope":
@@ -67,7 +73,7 @@ def _windows(hf: dict, family: str, layers: int) -> tuple[int, ...]:
     return ()
   types = hf.get("layer_types")
   if types is None:
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "mixtral", "phi3"):
       return (window,) * layers
     if family == "gemma2":
       types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
@@ -121,6 +127,27 @@ def weight_format(hf: dict) -> str | None:
                    "(--quantize)")
 
 
+def _moe(hf: dict, family: str, layers: int) -> MoeConfig | None:
+  """The mixture-of-experts part of a config: which layers are sparse and how their routers choose."""
+  # transformers 5 writes every family's expert count as `num_local_experts`; published files have their own
+  experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
+  if family == "mixtral":
+    return MoeConfig(experts=experts, top_k=hf["num_experts_per_tok"], expert_dim=hf["intermediate_size"])
+  if family == "qwen3_moe" and experts:
+    step, only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+    return MoeConfig(experts=experts, top_k=hf["num_experts_per_tok"],
+                     expert_dim=hf["moe_intermediate_size"], normalize=bool(hf.get("norm_topk_prob", False)),
+                     dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
+  if family == "glm4_moe":
+    return MoeConfig(experts=experts, top_k=hf["num_experts_per_tok"], expert_dim=hf["moe_intermediate_size"],
+                     routing="sigmoid",
+                     normalize=bool(hf.get("norm_topk_prob", True)), scale=float(hf.get("routed_scaling_factor", 1.0)),
+                     groups=hf.get("n_group") or 1, top_groups=hf.get("topk_group") or 1,
+                     shared_dim=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+                     dense_layers=tuple(range(min(hf.get("first_k_dense_replace", 1), layers))))
+  return None
+
+
 def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = None) -> ModelConfig:
   """A `ModelConfig` from a Hugging Face `config.json` (and `generation_config.json`)."""
   quantization = weight_format(hf)
@@ -131,10 +158,11 @@ def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = N
   act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
   if act not in ACTIVATIONS:
     raise ValueError(f"unsupported hidden_act {act!r}: jspec reads {', '.join(ACTIVATIONS)}")
-  if hf.get("mlp_bias") or (hf.get("attention_bias") and family != "qwen2"):
-    raise ValueError("unsupported: attention_bias or mlp_bias (qwen2's q/k/v bias is supported)")
+  if hf.get("mlp_bias") or (hf.get("attention_bias") and family not in ("qwen2", "glm4_moe")):
+    raise ValueError("unsupported: attention_bias or mlp_bias (qwen2's and glm4_moe's q/k/v bias is supported)")
+  moe = _moe(hf, family, hf["num_hidden_layers"])
   gemma = family.startswith("gemma")
-  theta, scaling, local_theta, partial = _rope(hf)
+  theta, scaling, local_theta, partial = _rope(hf, 0.5 if family == "glm4_moe" else 1.0)
   heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
   context = hf.get("max_position_embeddings", 4096)
   if scaling is not None and scaling.type in ("linear", "dynamic", "yarn"):  # they stretch the context
@@ -154,7 +182,9 @@ def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = N
       rope_scaling=scaling, partial_rotary_factor=partial,
       local_rope_theta=float(local_theta) if family == "gemma3" and local_theta else None,
       sliding_windows=_windows(hf, family, layers), activation=ACTIVATIONS[act], norm_plus_one=gemma,
-      sandwich_norms=gemma, qk_norm=family in ("qwen3", "gemma3"), scale_embeddings=gemma,
+      sandwich_norms=gemma, qk_norm=family in ("qwen3", "qwen3_moe", "gemma3") or bool(hf.get("use_qk_norm")),
+      scale_embeddings=gemma,
       query_scale=float(hf["query_pre_attn_scalar"]) if gemma else None,
       attn_softcap=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
-      final_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None, quantization=quantization)
+      final_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None, quantization=quantization,
+      moe=moe)

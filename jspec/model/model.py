@@ -2,7 +2,8 @@
 
 Parameters are a plain dict: `embed [V,D]`, `final_norm [D]`, optional `lm_head [D,V]`, and `layers`, a list
 of N dicts (`attn_norm, wq [D,H*Dh], wk, wv [D,J*Dh], (bq, bk, bv), wo [H*Dh,D], mlp_norm, w_gate, w_up
-[D,F], w_down [F,D]`; those seven may be quantized: `jspec.model.quantization`). A list rather than
+[D,F], w_down [F,D]`; those seven may be quantized: `jspec.model.quantization`; a mixture-of-experts layer's
+MLP: `jspec.model.moe`). A list rather than
 stacked arrays keeps each layer's weights and cache their own buffers inside the decode loop. (Shape
 letters: the legend in `jspec/__init__.py`.)
 """
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.core.settings import CostModel
-from jspec.model import attention, quantization, rope
+from jspec.model import attention, moe, quantization, rope
 from jspec.model import cache as kvcache
 from jspec.model.config import ModelConfig
 
@@ -46,16 +47,28 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   d, h, j, dh, f, v = (config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_dim,
                        config.vocab_size)
   dtype = config.jnp_dtype
-  keys = iter(jax.random.split(key, 12 * config.n_layers + 2))
+  keys = iter(jax.random.split(key, 16 * config.n_layers + 2))
   dense = lambda shape, fan_in: (jax.random.normal(next(keys), shape) * fan_in ** -0.5).astype(dtype)
   # A norm's weight is 1 either way it is stored: w, or 1 + w.
   norm = lambda size: jnp.full((size,), 0.0 if config.norm_plus_one else 1.0, dtype)
+  mlp = lambda width: dict(w_gate=dense((d, width), d), w_up=dense((d, width), d),
+                           w_down=dense((width, d), width) / (2 * config.n_layers) ** 0.5)
   layers = []
-  for _ in range(config.n_layers):
+  for i in range(config.n_layers):
     layer = dict(attn_norm=norm(d), wq=dense((d, h * dh), d), wk=dense((d, j * dh), d),
                  wv=dense((d, j * dh), d), wo=dense((h * dh, d), h * dh) / (2 * config.n_layers) ** 0.5,
-                 mlp_norm=norm(d), w_gate=dense((d, f), d), w_up=dense((d, f), d),
-                 w_down=dense((f, d), f) / (2 * config.n_layers) ** 0.5)
+                 mlp_norm=norm(d))
+    e = config.moe
+    if e is None or not e.sparse(i):
+      layer.update(mlp(f))
+    else:
+      o, fe = e.experts, e.expert_dim
+      layer.update(router=dense((d, o), d), we_gate=dense((o, d, fe), d), we_up=dense((o, d, fe), d),
+                   we_down=dense((o, fe, d), fe) / (2 * config.n_layers) ** 0.5)
+      if e.shared_dim:
+        layer.update(mlp(e.shared_dim))
+      if e.routing == "sigmoid":
+        layer["router_bias"] = dense((o,), 1) * 0.1
     if config.qkv_bias:
       layer.update(bq=dense((h * dh,), 1) * 0.1, bk=dense((j * dh,), 1) * 0.1, bv=dense((j * dh,), 1) * 0.1)
     if config.qk_norm:
@@ -117,11 +130,19 @@ def _rope(config: ModelConfig, layer: int, x_BxSxHxDh: jax.Array, positions_BxS:
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def _activation(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:
+  return jax.nn.silu if config.activation == "silu" else lambda x: jax.nn.gelu(x, approximate=True)
+
+
 def _mlp(layer: Params, h_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
+  """The layer's MLP: dense, or routed experts plus any shared ones."""
+  out = moe.experts(h_BxSxD, layer, config.moe, _activation(config)) if "router" in layer else None
+  if "w_gate" not in layer:
+    return out
   linear = quantization.linear
-  gate = linear(h_BxSxD, layer["w_gate"])
-  gate = jax.nn.silu(gate) if config.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-  return linear(gate * linear(h_BxSxD, layer["w_up"]), layer["w_down"])
+  dense = linear(_activation(config)(linear(h_BxSxD, layer["w_gate"])) * linear(h_BxSxD, layer["w_up"]),
+                 layer["w_down"])
+  return dense if out is None else out + dense
 
 
 def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,

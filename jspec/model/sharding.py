@@ -34,6 +34,8 @@ RULES = (
     ("heads", "model"),     # query heads (H*Dh columns, split between heads)
     ("kv_heads", "model"),  # key/value heads (J*Dh columns)
     ("mlp", "model"),
+    ("expert_mlp", "model"),  # every expert's MLP columns split as a dense MLP's: each device holds all experts
+    ("experts", None),
     ("embed", None),        # the residual stream stays replicated: one all-reduce after wo and w_down
     ("head_dim", None),
     ("stack", None),
@@ -47,6 +49,9 @@ PARAM_AXES = {
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
     "wo": ("heads", "embed"), "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+    "router": ("embed", "experts"), "router_bias": ("experts",),
+    "we_gate": ("experts", "embed", "expert_mlp"), "we_up": ("experts", "embed", "expert_mlp"),
+    "we_down": ("experts", "expert_mlp", "embed"),
     # EAGLE's input projections and EAGLE-3's norms (its `lm_head` over a draft vocabulary: `target_ids`)
     "fc": ("embed", "embed"), "fc_bias": ("embed",), "fuse": ("embed", "embed"), "embed_norm": ("embed",),
     "hidden_norm": ("embed",),
@@ -78,8 +83,12 @@ def make_mesh(spec: str, devices: list | None = None) -> Mesh:
 
 def _units(config: ModelConfig) -> dict[str, int]:
   """How many indivisible units each logical axis holds: a shard must hold whole ones."""
-  return {"vocab": config.vocab_size, "heads": config.n_heads, "kv_heads": config.n_kv_heads,
-          "mlp": config.mlp_dim}
+  return {"heads": config.n_heads, "kv_heads": config.n_kv_heads}
+
+
+# Axes whose shards need only hold whole columns: each weight's own size decides (a draft vocabulary, shared
+# experts' MLP width).
+SIZED_BY_WEIGHT = ("vocab", "mlp", "expert_mlp")
 
 
 def logical_to_spec(axes: tuple, mesh: Mesh, units: dict[str, int]) -> PartitionSpec:
@@ -102,7 +111,7 @@ def param_specs(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
   def spec(path, leaf):
     name = next(str(k.key) for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
     axes = ("stack",) * (leaf.ndim - len(PARAM_AXES[name])) + PARAM_AXES[name]  # stacked weights: heads first
-    sizes = {**units, "vocab": leaf.shape[axes.index("vocab")]} if "vocab" in axes else units  # a draft vocabulary
+    sizes = {**units, **{name: leaf.shape[axes.index(name)] for name in SIZED_BY_WEIGHT if name in axes}}
     weight = logical_to_spec(axes, mesh, sizes)
     if getattr(path[-1], "name", None) != "scale":
       return weight
