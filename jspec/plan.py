@@ -187,6 +187,12 @@ def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
            f"({p.memory_source}): {'fits' if p.fits else 'does NOT fit'}",
            f"  largest batch at {p.context:,} tokens: {p.max_batch}",
            f"  largest context at {rows(p.batch)}: {p.max_context:,} tokens"]
+  if p.experts is not None:
+    e = p.experts
+    lines.append(f"  experts: {e.per_layer} per layer in {e.sparse_layers} layers, {e.per_token} per token; "
+                 f"{e.params / 1e9:.3g}B of the target's {e.total_params / 1e9:.3g}B parameters "
+                 f"({e.active_params / 1e9:.3g}B active per token); {gb(e.bytes_per_device)} per device "
+                 f"(every expert on each device)")
   if p.pages is not None:
     mean = mean_len(args, p)
     held = f" ({p.pages_per_device:,} on each device)" if p.page_shards > 1 else ""

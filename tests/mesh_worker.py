@@ -30,11 +30,16 @@ from jspec.decoding.batches import make_batch  # noqa: E402
 from jspec.decoding.decoder import make_decoder  # noqa: E402
 from jspec.formats import loading  # noqa: E402
 from jspec.model import hf, model, sharding  # noqa: E402
+from jspec.model.config import MoeConfig  # noqa: E402
 
 # 8 query and 8 kv heads, so tensor parallelism can use all 8 devices; a vocabulary that 8 divides.
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)
 DRAFT = dataclasses.replace(CONFIG, n_layers=1, mlp_dim=64)
+# A mixture of experts: a dense first layer, then 8 experts whose MLP columns split over "model"
+MOE = dataclasses.replace(CONFIG, moe=MoeConfig(experts=8, top_k=2, expert_dim=64, shared_dim=64,
+                                                dense_layers=(0,)))
 target = testing.random_model(CONFIG, seed=0, scale=2.0)
+moe_target = testing.random_model(MOE, seed=0, scale=2.0)
 draft = testing.random_model(DRAFT, seed=1, scale=2.0)
 prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 6, [100, 200, 30, 40, 50], [7], [3, 3], [250, 1], [60, 61, 62]]
 FIXED = testing.fixed_k(3)  # every round verifies on the mesh
@@ -57,6 +62,7 @@ def runs(mesh):
                                     **kw).token_ids,
           "constrained": jspec.generate(ENDING, prompts, draft=draft, spec=FIXED, constraint=CONSTRAINTS,
                                         **kw).token_ids,
+          "moe": jspec.generate(moe_target, prompts, draft=draft, spec=FIXED, **kw).token_ids,
           "continuous": continuous(mesh)}
 
 
@@ -117,10 +123,12 @@ for spec in args.meshes.split(";"):
                            for kind, kw in (("ar", {}), ("spec", {"draft": draft, "spec": FIXED}))}
     continue
   specs = sharding.param_specs(target.params, CONFIG, mesh)
+  moe_specs = sharding.param_specs(moe_target.params, MOE, mesh)["layers"][1]
   out["meshes"][spec] = {
       **runs(mesh),
       "param_specs": {k: str(specs["layers"][0][k]) for k in ("wq", "wk", "wo", "w_gate", "w_down")} |
-                     {"embed": str(specs["embed"])},
+                     {"embed": str(specs["embed"])} |
+                     {k: str(moe_specs[k]) for k in ("router", "we_gate", "we_up", "we_down", "w_gate")},
       "cache_spec": str(sharding.cache_layout(len(prompts), CONFIG, mesh).spec),
       "cache_heads_major": sharding.cache_layout(len(prompts), CONFIG, mesh).heads_major,
       "sharded_init_equals_host_init": all(

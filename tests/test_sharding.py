@@ -26,7 +26,7 @@ def eight_devices(tmp_path_factory):
 @pytest.mark.parametrize("mesh", ["data=8", "model=8", "data=2,model=4"])
 def test_greedy_outputs_on_a_mesh_equal_one_device(eight_devices, mesh):
   single, sharded = eight_devices["single"], eight_devices["meshes"][mesh]
-  for kind in ("ar", "spec", "spec_replicated_draft", "constrained"):
+  for kind in ("ar", "spec", "spec_replicated_draft", "constrained", "moe"):
     assert sharded[kind] == single[kind], (mesh, kind)
   assert sharded["kernel"] == (single["spec"] if mesh == "data=2,model=4" else None)
   assert single["spec"] == single["ar"]
@@ -48,12 +48,15 @@ def test_partition_specs_follow_the_rules(eight_devices):
   tp = eight_devices["meshes"]["model=8"]
   assert tp["param_specs"] == {"wq": "P(None, 'model')", "wk": "P(None, 'model')",
                                "wo": "P('model', None)", "w_gate": "P(None, 'model')",
-                               "w_down": "P('model', None)", "embed": "P('model', None)"}
+                               "w_down": "P('model', None)", "embed": "P('model', None)",
+                               # every expert on every device, its MLP columns split; the router whole
+                               "router": "P(None, None)", "we_gate": "P(None, None, 'model')",
+                               "we_up": "P(None, None, 'model')", "we_down": "P(None, 'model', None)"}
   assert tp["cache_spec"] == "P('model', None, None)" and tp["cache_heads_major"]
   # a quantized weight's scales split with its output channels
   assert tp["hf_directory"]["quantized_specs"] == ["P(None, 'model')"] * 2 + ["P('model', None)", "P(None, None)"]
   dp = eight_devices["meshes"]["data=8"]
-  assert set(dp["param_specs"].values()) == {"P(None, None)"}
+  assert set(dp["param_specs"].values()) == {"P(None, None)", "P(None, None, None)"}
   assert dp["cache_spec"] == "P('data', None, None)" and not dp["cache_heads_major"]
   both = eight_devices["meshes"]["data=2,model=4"]
   assert both["cache_spec"] == "P(('model', 'data'), None, None)" and both["cache_heads_major"]

@@ -25,6 +25,7 @@ from jspec.decoding.batches import Batch
 from jspec.decoding.decoder import Decoder
 from jspec.model import cache as kvcache
 from jspec.model import sharding
+from jspec.model.config import num_params
 from jspec.model.kernels import pallas_attention
 from jspec.speculation.sampling import sampling_arrays
 
@@ -169,6 +170,35 @@ def usage(decoder: Decoder, batch: int, prompt_width: int, capacity: int, mesh=N
   return Usage(weights, draft_weights, kv, draft_kv, int(rest + activations))
 
 
+EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+  """A mixture-of-experts target's experts, and what one device holds of them."""
+  per_layer: int
+  per_token: int  # experts a token runs in each sparse layer
+  sparse_layers: int
+  params: int  # every expert's, every layer's
+  bytes_per_device: int
+  total_params: int  # the target's
+  active_params: int  # the target's parameters one token runs
+
+  @classmethod
+  def of(cls, decoder: Decoder, mesh=None) -> Experts | None:
+    config = decoder.target_config
+    if config.moe is None:
+      return None
+    sparse = [layer for layer in decoder.target_params["layers"] if "router" in layer]
+    experts = [{name: layer[name] for name in EXPERT_WEIGHTS} for layer in sparse]
+    specs = sharding.param_specs(experts, config, planned_mesh(axis_sizes(mesh)))
+    return cls(config.moe.experts, config.moe.top_k, len(sparse), sum(x.size for x in jax.tree.leaves(experts)),
+               _per_device(experts, specs, axis_sizes(mesh)), num_params(config), num_params(config, active=True))
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A batch's memory on each device against the device's, with the largest batch (at this context) and
@@ -186,6 +216,7 @@ class Plan:
   max_context: int
   pages: int | None = None  # serving: the paged KV cache's pages of `kvcache.PAGE_SIZE` tokens that fit (0: none)
   page_shards: int = 1  # serving on a mesh: the data shards that split the pages (`page_shards`)
+  experts: Experts | None = None  # a mixture-of-experts target's
 
   @property
   def fits(self) -> bool:
@@ -197,7 +228,8 @@ class Plan:
             "total_bytes": self.usage.total_bytes, "workspace_source": self.workspace_source,
             "device_memory_bytes": self.device_memory_bytes, "device_memory_source": self.memory_source,
             "fits": self.fits, "max_batch": self.max_batch, "max_context": self.max_context,
-            **({} if self.pages is None else {"kv_pages": self.pages, "kv_pages_per_device": self.pages_per_device})}
+            **({} if self.pages is None else {"kv_pages": self.pages, "kv_pages_per_device": self.pages_per_device}),
+            **({} if self.experts is None else {"experts": self.experts.to_json()})}
 
   @property
   def pages_per_device(self) -> int | None:
@@ -265,7 +297,8 @@ def make_plan(decoder: Decoder, batch: int, context: int, prompt_len: int, *, me
       pages = 0
   return Plan(batch, context, prompt_len, capacity, math.prod(axis_sizes(mesh).values()), need(batch, context),
               source, memory[0], memory[1], max_batch(need, context, memory[0], axis_sizes(mesh)["data"]),
-              max_context(need, batch, decoder.context_len, memory[0]), pages, page_shards(mesh, batch))
+              max_context(need, batch, decoder.context_len, memory[0]), pages, page_shards(mesh, batch),
+              Experts.of(decoder, mesh))
 
 
 def max_batch(need, context: int, memory: int, data: int) -> int:
