@@ -65,7 +65,8 @@ def calibrate(args: argparse.Namespace) -> tuple[dict, str]:
   if args.no_draft:
     raise ValueError("--no-draft: plain decoding has no cost model to calibrate")
   target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, quantize=args.quantize)
-  draft, kind = flags.load_draft(args, lambda path: jspec.load(path, dtype=args.dtype, quantize=args.draft_quantize))
+  draft, kind = flags.load_draft(args, lambda path, **kw: jspec.load(path, dtype=args.dtype,
+                                                                      quantize=args.draft_quantize, **kw))
   kind = kind or drafter_kind(draft)
   flags.log.info("measuring the %s drafter's costs at batch %s", kind, ", ".join(map(str, sizes)))
   cost = calibration.measure(target, draft, kind, sizes, args.repeats, args.draft_len)

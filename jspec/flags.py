@@ -223,6 +223,9 @@ def load_draft(args: argparse.Namespace, load: Callable[[str | pathlib.Path], ob
       log.info("%s: %s", args.draft, draft.source)
     return draft, args.drafter
   drafter = args.drafter or shipped.DEFAULT_DRAFTER
+  if drafter == "mtp":  # the target checkpoint's own MTP layer
+    log.info("loading the MTP layer of %s", args.target)
+    return load(shipped.resolve(args.target), mtp=True), drafter
   if drafter not in shipped.DRAFTS:
     return None, drafter
   pair = shipped.pair_of(args.target)
@@ -239,8 +242,8 @@ def load_models(args: argparse.Namespace, spec: SpecConfig) -> tuple[jspec.Model
   log.info("loading the target %s", args.target)
   target = jspec.load(shipped.resolve(args.target), dtype=args.dtype, mesh=mesh, quantize=args.quantize)
   draft_mesh = None if args.replicate_draft else mesh
-  draft, drafter = load_draft(args, lambda path: jspec.load(path, dtype=args.dtype, mesh=draft_mesh,
-                                                            quantize=args.draft_quantize))
+  draft, drafter = load_draft(args, lambda path, **kw: jspec.load(path, dtype=args.dtype, mesh=draft_mesh,
+                                                                  quantize=args.draft_quantize, **kw))
   spec = None if drafter is None and draft is None else dataclasses.replace(spec, drafter=drafter)
   return target, dict(draft=draft, spec=spec, mesh=mesh, shard_draft=not args.replicate_draft,
                       attention=args.attention)

@@ -128,7 +128,8 @@ def plan(args: argparse.Namespace):
   target = loading.load_shapes(args.target, dtype, args.quantize)
   if not isinstance(target, loading.Model):
     raise ValueError(f"--target {args.target}: heads, not a model")
-  draft, drafter = flags.load_draft(args, lambda path: loading.load_shapes(path, dtype, args.draft_quantize))
+  draft, drafter = flags.load_draft(args, lambda path, **kw: loading.load_shapes(path, dtype, args.draft_quantize,
+                                                                                **kw))
   drafter = drafter or (draft and drafter_kind(draft))
   spec = None if drafter is None and draft is None else \
       SpecConfig(args.draft_len, drafter=drafter, suffix_cache_tokens=args.suffix_cache_tokens)

@@ -154,7 +154,7 @@ def test_bad_drafter_requests_are_one_line_errors(target):
 
 
 @pytest.mark.slow  # the shipped checkpoints, end to end
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "mtp"])  # the shipped target has no MTP layer
 def test_shipped_drafters_match_plain_decoding_on_the_small_shipped_target(kind):
   target = jspec.load("code-small")  # a shipped pair's name loads its target, as --target does
   draft = jspec.load(shipped.SMALL.drafts[kind]) if kind in shipped.SMALL.drafts else None

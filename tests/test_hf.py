@@ -349,3 +349,65 @@ def test_to_hf_export_loads_in_transformers_and_assisted_generation_matches(tmp_
   gemma = testing.random_model(dataclasses.replace(testing.TINY, norm_plus_one=True))
   with pytest.raises(ValueError, match="Llama directory, which has no"):
     hf.save_hf(gemma, tmp_path / "gemma-hf")
+
+
+def rms(x, w, eps=1e-6):
+  return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_mtp_layer_matches_the_forward_serving_systems_run_and_drafts_exactly(tmp_path):
+  """GLM-4.5's layout: a random MTP layer (a sparse decoder layer after the last, `enorm`, `hnorm`, `eh_proj`,
+  `shared_head`) added to a glm4_moe checkpoint. Its draft logits against vLLM's MTP forward, written here in
+  torch over transformers' decoder layer; greedy speculation with it gives the target's greedy tokens."""
+  m, path = make_hf(tmp_path, "glm4_moe")
+  cfg, n, d = m.config, m.config.num_hidden_layers, m.config.hidden_size
+  assert cfg.num_nextn_predict_layers == 1
+  torch.manual_seed(1)
+  layer = type(m.model.layers[-1])(cfg, n).float().eval()
+  with torch.no_grad():
+    for name, p in layer.named_parameters():
+      p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p) / p.shape[-1] ** 0.5)
+    layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(cfg.n_routed_experts))
+  extra = {"enorm.weight": 1 + 0.2 * torch.randn(d), "hnorm.weight": 1 + 0.2 * torch.randn(d),
+           "eh_proj.weight": torch.randn(d, 2 * d) / (2 * d) ** 0.5, "shared_head.norm.weight": 1 + 0.2 * torch.randn(d),
+           "shared_head.head.weight": m.lm_head.weight.detach(), "embed_tokens.weight": m.model.embed_tokens.weight.detach()}
+  stored = {f"model.layers.{n}.{k}": v for k, v in extra.items()}
+  f = layer.mlp.experts.gate_up_proj.shape[1] // 2
+  for name, v in layer.state_dict().items():
+    if name == "mlp.experts.gate_up_proj":  # transformers fuses the experts; checkpoints keep one module each
+      for e in range(v.shape[0]):
+        stored[f"model.layers.{n}.mlp.experts.{e}.gate_proj.weight"] = v[e, :f]
+        stored[f"model.layers.{n}.mlp.experts.{e}.up_proj.weight"] = v[e, f:]
+    elif name == "mlp.experts.down_proj":
+      for e in range(v.shape[0]):
+        stored[f"model.layers.{n}.mlp.experts.{e}.down_proj.weight"] = v[e]
+    else:
+      stored[f"model.layers.{n}.{name}"] = v
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(path / "model.safetensors"))
+  save_file({**tensors, **{k: np.ascontiguousarray(v.numpy()) for k, v in stored.items()}},
+            str(path / "model.safetensors"))
+
+  tokens = np.random.default_rng(0).integers(0, 256, size=(1, 24))
+  with torch.no_grad():  # position p: the hidden state of token p and the embedding of token p + 1 (zero at 0)
+    hidden = m.model(torch.tensor(tokens)).last_hidden_state[:, :-1]
+    embedded = m.model.embed_tokens(torch.tensor(tokens[:, 1:]))
+    embedded[:, 0] = 0
+    x = torch.cat([rms(embedded, extra["enorm.weight"]), rms(hidden, extra["hnorm.weight"])], -1)
+    x = x @ extra["eh_proj.weight"].T
+    positions = torch.arange(x.shape[1])[None]
+    mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+    out = layer(x, attention_mask=mask, position_ids=positions,
+                position_embeddings=m.model.rotary_emb(x, positions))
+    want = (rms(out, extra["shared_head.norm.weight"]) @ m.lm_head.weight.T).numpy()
+
+  target, heads = jspec.load(path), jspec.load(path, mtp=True)
+  assert heads.drafter.kind == "mtp" and not (heads.drafter.own_embed or heads.drafter.own_head)  # copies
+  features = model.forward_full(target.params, tokens, target.config)[1][:, :-1]
+  out = heads.drafter.unrolled(heads.params, target.params, features, tokens[:, 1:], np.arange(23)[None],
+                               model.full_attention(heads.drafter.config))
+  np.testing.assert_allclose(heads.drafter.logits(heads.params, target.params, out), want, atol=1e-5, rtol=1e-5)
+
+  plain = jspec.generate(target, [PROMPT], max_new_tokens=NEW).token_ids
+  spec = jspec.generate(target, [PROMPT], draft=heads, spec=testing.fixed_k(3, drafter="mtp"), max_new_tokens=NEW)
+  assert spec.token_ids == plain and spec.stats.drafter == "mtp"

@@ -13,6 +13,7 @@ DRAFTERS: dict[str, str | type] = {
     "model": "jspec.drafters.draft_model:ModelDrafter",
     "medusa": "jspec.drafters.medusa:MedusaDrafter",
     "eagle": "jspec.drafters.eagle:EagleDrafter",
+    "mtp": "jspec.drafters.mtp:MtpDrafter",
     "ngram": "jspec.drafters.ngram:NgramDrafter",
     "suffix": "jspec.drafters.suffix:SuffixDrafter",
 }

@@ -218,7 +218,7 @@ class EagleDrafter(Drafter):
       return feature_BxSxF
     return feature_BxSxF.astype(self.config.jnp_dtype) @ params["fuse"]
 
-  def _inputs(self, params, target_params, feature_BxSxD, tokens_BxS):
+  def _inputs(self, params, target_params, feature_BxSxD, tokens_BxS, positions_BxS):
     """The first layer's residual stream and, for EAGLE-3, what its q/k/v read instead of its norm."""
     embedded = (params if self.own_embed else target_params)["embed"][tokens_BxS]
     feature = feature_BxSxD.astype(self.config.jnp_dtype)
@@ -231,7 +231,7 @@ class EagleDrafter(Drafter):
 
   def unrolled(self, params, target_params, feature_BxSxD, tokens_BxS, positions_BxS, attend: model.AttendFn):
     """Its output features over whole sequences without a cache, attention given by `attend` (training)."""
-    x, first = self._inputs(params, target_params, feature_BxSxD, tokens_BxS)
+    x, first = self._inputs(params, target_params, feature_BxSxD, tokens_BxS, positions_BxS)
     return self._features(params, model.layer_stack(params, x, positions_BxS, self.config, attend,
                                                     first_input_BxSxA=first))
 
@@ -254,7 +254,7 @@ class EagleDrafter(Drafter):
            tree_BxSxA: jax.Array | None = None):
     """Predicted features of positions+1 for S (feature, next token) pairs; the cache advances by S. With a
     tree mask, each entry sees the cache and its ancestors among this round's entries."""
-    x, first = self._inputs(params, target_params, feature_BxSxD, next_tokens_BxS)
+    x, first = self._inputs(params, target_params, feature_BxSxD, next_tokens_BxS, positions_BxS)
     x, cache = model.cached_layer_stack(params, x, positions_BxS, cache, self.config, tree_BxSxA,
                                         first_input_BxSxA=first)
     return self._features(params, x), cache

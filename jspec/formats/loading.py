@@ -10,6 +10,7 @@ import jax
 from jspec.core import registry, shipped
 from jspec.core.settings import DTYPES, WEIGHT_FORMATS
 from jspec.drafters import Heads
+from jspec.drafters.mtp import MtpDrafter, read_mtp
 from jspec.formats import checkpoint, head_formats
 from jspec.model import hf, hf_config, model, quantization
 from jspec.model.config import default_dtype
@@ -17,7 +18,8 @@ from jspec.model.model import Model
 from jspec.text import tokenizer
 
 
-def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None, quantize: str | None = None) -> Model | Heads:
+def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None, quantize: str | None = None,
+         mtp: bool = False) -> Model | Heads:
   """A model (a jspec checkpoint, a Hugging Face model directory of a family in `jspec.model.hf_config.FAMILIES`, or a
   shipped pair's name such as "code" for its target), or Medusa/EAGLE heads (`Heads`): jspec's own, or
   published ones in a format of `jspec.formats.head_formats` (EAGLE, EAGLE-3, speculators, Medusa).
@@ -26,7 +28,8 @@ def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None, quantize
   accelerators. With a `mesh` (`jspec.make_mesh`), each array is placed in its shards as it is read.
   Quantized checkpoints load as stored; `quantize` ("int8", "fp8", "fp8-block": `jspec.model.quantization`)
   quantizes a float one's linear layers (a Hugging Face directory's layer by layer, as they are read).
-  Every problem is a one-line ValueError.
+  `mtp`: instead of the model, the multi-token-prediction layer a Hugging Face checkpoint ships, as heads of
+  the mtp drafter (`jspec.drafters.mtp`). Every problem is a one-line ValueError.
   """
   if dtype not in (None, *DTYPES):
     raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -35,7 +38,11 @@ def load(path: str | pathlib.Path, dtype: str | None = None, mesh=None, quantize
   path = shipped.resolve(path).absolute()
   if not path.is_dir():
     raise ValueError(f"{path}: no such checkpoint directory")
-  if checkpoint.is_heads_dir(path):
+  if mtp:
+    if not hf.is_hf_dir(path):
+      raise ValueError(f"{path}: MTP layers are read from a Hugging Face checkpoint; this is not one")
+    loaded = read_mtp(path, dtype or default_dtype())  # placed on a mesh when decoding
+  elif checkpoint.is_heads_dir(path):
     loaded = checkpoint.load_heads(path, dtype, mesh)
   elif (found := head_formats.detect(path)) is not None:
     loaded = head_formats.load_head(path, found, dtype or default_dtype())  # placed on a mesh when decoding
@@ -65,12 +72,16 @@ def quantized(loaded: Model | Heads, fmt: str | None, where: str | pathlib.Path 
   return dataclasses.replace(loaded, drafter=drafter, params=params)
 
 
-def load_shapes(path: str | pathlib.Path, dtype: str | None = None, quantize: str | None = None) -> Model | Heads:
+def load_shapes(path: str | pathlib.Path, dtype: str | None = None, quantize: str | None = None,
+                mtp: bool = False) -> Model | Heads:
   """A model or heads with their parameters' shapes only (`jax.ShapeDtypeStruct`s), from a checkpoint
   directory (the weights are not read) or a bare `config.json` (jspec's or Hugging Face's) or
   `drafter.json`: what the memory plan needs (`jspec.planning.memory`). A model keeps the `tokenizer.json` beside its
   config, if any: a draft with another tokenizer than its target's holds more cache (`jspec.text.vocab_map`).
-  `quantize`: as `load`'s."""
+  `quantize`, `mtp` (an MTP layer for the model there, sharing its embedding and LM head): as `load`'s."""
+  if mtp:
+    drafter = MtpDrafter.for_target(_shapes(path, dtype).config)
+    return quantized(Heads(drafter, jax.eval_shape(drafter.init_params, jax.random.PRNGKey(0))), quantize, path)
   return quantized(_shapes(path, dtype), quantize, path)
 
 

@@ -68,6 +68,10 @@ class _Tensors:
       x = handle.get_tensor(name)
     return x if dtype is None else x.astype(dtype, copy=False)
 
+  def take(self, name: str, dtype, transpose: bool = False) -> np.ndarray:
+    x = self.get(name, dtype)
+    return x.T if transpose else x  # HF stores matrices as [out, in]; jspec as [in, out]
+
   def linear(self, module: str, dtype, fmt: str | None) -> np.ndarray | quantization.QArray:
     """A linear layer's weight as jspec holds it, [in, out]: stored quantized (a `weight_scale`, or a
     block-wise `weight_scale_inv`, beside it) as it is, or read in `dtype` and quantized to `fmt` if given."""
@@ -123,29 +127,10 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None, quantiz
       spec = spec.qvalue  # a layer the checkpoint keeps in float among quantized ones
     return sharding.place(x, mesh, spec)
 
-  def take(name: str, transpose: bool) -> np.ndarray:
-    x = tensors.get(name, np_dtype)
-    return x.T if transpose else x  # HF stores matrices as [out, in]; jspec as [in, out]
-
+  take = lambda name, transpose: tensors.take(name, np_dtype, transpose)
   layers = []
-  q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
   for i in range(config.n_layers):
-    pre = f"{tensors.prefix}layers.{i}."
-    layer = {ours: take(f"{pre}{theirs}.weight", False) for ours, theirs in _layer_names(config).items()}
-    linear = lambda module: tensors.linear(pre + module, np_dtype, quantize)
-    if f"{pre}self_attn.qkv_proj.weight" in tensors.where:  # phi3: q | k | v rows, gate | up rows
-      qkv, gate_up, cols = linear("self_attn.qkv_proj"), linear("mlp.gate_up_proj"), quantization.columns
-      layer.update(wq=cols(qkv, 0, q), wk=cols(qkv, q, q + kv), wv=cols(qkv, q + kv, q + 2 * kv),
-                   wo=linear("self_attn.o_proj"), w_gate=cols(gate_up, 0, config.mlp_dim),
-                   w_up=cols(gate_up, config.mlp_dim, 2 * config.mlp_dim), w_down=linear("mlp.down_proj"))
-    else:
-      layer.update({ours: linear(theirs) for ours, theirs in ATTENTION_NAMES.items()})
-      if config.moe is None or not config.moe.sparse(i):
-        layer.update({ours: linear(theirs) for ours, theirs in MLP_NAMES.items()})
-      else:
-        layer.update(_experts(tensors, pre, config, hf["model_type"], take))
-    if config.qkv_bias:
-      layer.update({ours: take(f"{pre}{theirs}.bias", False) for ours, theirs in BIAS_NAMES.items()})
+    layer = _read_layer(tensors, i, config, hf["model_type"], np_dtype, quantize)
     layers.append({name: place(x, ("layers", i, name)) for name, x in layer.items()})
   params: dict[str, Any] = dict(
       embed=place(take(f"{tensors.prefix}embed_tokens.weight", False), ("embed",)), layers=layers,
@@ -153,6 +138,58 @@ def load_hf(path: str | pathlib.Path, dtype: str = "float32", mesh=None, quantiz
   if not config.tie_embeddings:
     params["lm_head"] = place(take(tensors.head or "lm_head.weight", True), ("lm_head",))
   return Model(config=config, params=params, tokenizer=tokenizer, chat_template=load_chat_template(path))
+
+
+def _read_layer(tensors: _Tensors, i: int, config: ModelConfig, family: str, np_dtype, quantize: str | None) -> dict:
+  """Decoder layer `i`'s weights as jspec names them (linear layers as `_Tensors.linear` reads them)."""
+  pre = f"{tensors.prefix}layers.{i}."
+  take = lambda name, transpose: tensors.take(name, np_dtype, transpose)
+  layer = {ours: take(f"{pre}{theirs}.weight", False) for ours, theirs in _layer_names(config).items()}
+  linear = lambda module: tensors.linear(pre + module, np_dtype, quantize)
+  q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+  if f"{pre}self_attn.qkv_proj.weight" in tensors.where:  # phi3: q | k | v rows, gate | up rows
+    qkv, gate_up, cols = linear("self_attn.qkv_proj"), linear("mlp.gate_up_proj"), quantization.columns
+    layer.update(wq=cols(qkv, 0, q), wk=cols(qkv, q, q + kv), wv=cols(qkv, q + kv, q + 2 * kv),
+                 wo=linear("self_attn.o_proj"), w_gate=cols(gate_up, 0, config.mlp_dim),
+                 w_up=cols(gate_up, config.mlp_dim, 2 * config.mlp_dim), w_down=linear("mlp.down_proj"))
+  else:
+    layer.update({ours: linear(theirs) for ours, theirs in ATTENTION_NAMES.items()})
+    if config.moe is None or not config.moe.sparse(i):
+      layer.update({ours: linear(theirs) for ours, theirs in MLP_NAMES.items()})
+    else:
+      layer.update(_experts(tensors, pre, config, family, take))
+  if config.qkv_bias:
+    layer.update({ours: take(f"{pre}{theirs}.bias", False) for ours, theirs in BIAS_NAMES.items()})
+  return layer
+
+
+def load_mtp_layer(path: str | pathlib.Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+  """The first multi-token-prediction layer a checkpoint ships (`num_nextn_predict_layers` of them, stored as
+  decoder layers after the last: GLM-4.5's and DeepSeek-V3's layout). Returns its config (the model's, with one
+  layer, sparse where that layer is) and its weights: the decoder layer, `enorm` and `hnorm` (the norms of the
+  next token's embedding and of the hidden state), `eh_proj [2D,D]` over the two, `final_norm`
+  (`shared_head.norm`), and `embed` / `lm_head` where its copies differ from the model's."""
+  path = pathlib.Path(path).absolute()
+  hf = json.loads((path / "config.json").read_text())
+  config = config_from_hf(hf, dtype)
+  if not hf.get("num_nextn_predict_layers"):
+    raise ValueError(f"{path}: no MTP layers (num_nextn_predict_layers is {hf.get('num_nextn_predict_layers', 0)});"
+                     f" train some: python -m jspec.train drafter --kind mtp")
+  n, tensors, np_dtype = config.n_layers, _Tensors(path), np.dtype(config.jnp_dtype)
+  pre = f"{tensors.prefix}layers.{n}."
+  take = lambda name, transpose=False: tensors.take(name, np_dtype, transpose)
+  params = dict(layers=[_read_layer(tensors, n, config, hf["model_type"], np_dtype, None)],
+                enorm=take(pre + "enorm.weight"), hnorm=take(pre + "hnorm.weight"),
+                eh_proj=take(pre + "eh_proj.weight", True), final_norm=take(pre + "shared_head.norm.weight"))
+  for ours, theirs, model_copy, transpose in (("embed", "embed_tokens", f"{tensors.prefix}embed_tokens.weight", False),
+                                              ("lm_head", "shared_head.head",
+                                               tensors.head or f"{tensors.prefix}embed_tokens.weight", True)):
+    if f"{pre}{theirs}.weight" in tensors.where and not np.array_equal(tensors.get(f"{pre}{theirs}.weight"),
+                                                                       tensors.get(model_copy)):
+      params[ours] = take(f"{pre}{theirs}.weight", transpose)
+  moe = config.moe and dataclasses.replace(config.moe, dense_layers=() if config.moe.sparse(n) else (0,))
+  one = dataclasses.replace(config, n_layers=1, sliding_windows=config.sliding_windows[-1:], moe=moe)
+  return one, jax.tree.map(jnp.asarray, params)
 
 
 def _experts(tensors: _Tensors, pre: str, config: ModelConfig, family: str, take) -> dict[str, np.ndarray]:

@@ -55,6 +55,7 @@ PARAM_AXES = {
     # EAGLE's input projections and EAGLE-3's norms (its `lm_head` over a draft vocabulary: `target_ids`)
     "fc": ("embed", "embed"), "fc_bias": ("embed",), "fuse": ("embed", "embed"), "embed_norm": ("embed",),
     "hidden_norm": ("embed",),
+    "enorm": ("embed",), "hnorm": ("embed",), "eh_proj": ("embed", "embed"),  # an MTP layer's input
     "w": ("embed", "embed"), "b": ("embed",),  # Medusa's blocks, stacked by head and layer
     # a cross-tokenizer draft's tables (`jspec.text.vocab_map`), whole on every device
     "draft_ids": (None,), "target_ids": (None,), "spelling": (None, None), "spelling_lens": (None,),

@@ -27,17 +27,24 @@ def shaped_decoder(target, draft, spec, batch: int, attention: str = "auto") -> 
 
 
 def one_layer(decoder: Decoder) -> Decoder:
-  """The same program with one layer in the target and in a draft model: the same activations."""
+  """The same program with one layer in the target and in a draft model: the same activations. A mixture of
+  experts keeps a sparse layer (whose activations are the larger); an EAGLE-3 head reads that layer."""
   def cut(params, config):
     if config is None or config.n_layers == 1 or "layers" not in (params or {}):
       return params, config
-    return {**params, "layers": params["layers"][:1]}, dataclasses.replace(config, n_layers=1, sliding_windows=())
+    kept = next((i for i, layer in enumerate(params["layers"]) if "router" in layer), 0)
+    moe = config.moe and dataclasses.replace(config.moe, dense_layers=() if kept or config.moe.sparse(0) else (0,))
+    return ({**params, "layers": params["layers"][kept:kept + 1]},
+            dataclasses.replace(config, n_layers=1, sliding_windows=(), moe=moe))
   target_params, target_config = cut(decoder.target_params, decoder.target_config)
   decoder = decoder.replace(target_params=target_params, target_config=target_config)
   drafter = decoder.drafter
   if drafter is not None and getattr(drafter, "config", None) is not None:
     params, config = cut(decoder.drafter_params, drafter.config)
-    decoder = decoder.replace(drafter_params=params, drafter=dataclasses.replace(drafter, config=config))
+    drafter = dataclasses.replace(drafter, config=config)
+    if getattr(drafter, "feature_layers", ()):
+      drafter = dataclasses.replace(drafter, feature_layers=(0,) * len(drafter.feature_layers))
+    decoder = decoder.replace(drafter_params=params, drafter=drafter)
   return decoder
 
 
