@@ -369,8 +369,9 @@ def test_mtp_layer_matches_the_forward_serving_systems_run_and_drafts_exactly(tm
       p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p) / p.shape[-1] ** 0.5)
     layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(cfg.n_routed_experts))
   extra = {"enorm.weight": 1 + 0.2 * torch.randn(d), "hnorm.weight": 1 + 0.2 * torch.randn(d),
-           "eh_proj.weight": torch.randn(d, 2 * d) / (2 * d) ** 0.5, "shared_head.norm.weight": 1 + 0.2 * torch.randn(d),
-           "shared_head.head.weight": m.lm_head.weight.detach(), "embed_tokens.weight": m.model.embed_tokens.weight.detach()}
+           "eh_proj.weight": torch.randn(d, 2 * d) / (2 * d) ** 0.5,
+           "shared_head.norm.weight": 1 + 0.2 * torch.randn(d), "shared_head.head.weight": m.lm_head.weight.detach(),
+           "embed_tokens.weight": m.model.embed_tokens.weight.detach()}
   stored = {f"model.layers.{n}.{k}": v for k, v in extra.items()}
   f = layer.mlp.experts.gate_up_proj.shape[1] // 2
   for name, v in layer.state_dict().items():
