@@ -12,7 +12,7 @@ import re
 import sys
 
 from jspec import flags
-from jspec.core.settings import SpecConfig
+from jspec.core.settings import MAX_DRAFT_LEN, SpecConfig
 from jspec.model.cache import PAGE_SIZE
 
 EXAMPLES = """examples:
@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                       "gpu:h100:2; chips: h100, h200, a100, b200, l4; needs the CUDA compiler: pip install -e "
                       "\".[gpu-compile]\") with abstract weights, and report XLA's memory per device and a roofline "
                       "estimate of a step and a round")
+  g.add_argument("--round-lens", default="", metavar="K,K,...",
+                 help="with --compile-for: also estimate a round of each of these K (each compiled on its own), and "
+                      "the K the adaptive policy would choose from them at τ = 3")
   flags.add_attention_arg(g)
   g.add_argument("--estimate", action="store_true",
                  help="estimate the workspace instead of compiling the decode program with one layer per model to "
@@ -168,9 +171,35 @@ def plan(args: argparse.Namespace):
         target, draft, dataclasses.replace(spec, adaptive=None), args.batch_size, args.attention)
     # the engine's pool: its usable pages and each data shard's scratch page
     pages = result.pages + memory.page_shards(mesh, args.batch_size) if result.pages else None
+    more = {k: shaped.shaped_decoder(target, draft, dataclasses.replace(spec, draft_len=k, adaptive=None),
+                                     args.batch_size, args.attention) for k in round_lens(args) if spec is not None}
     report = accelerators.compile_for(compile_for, decoder, args.batch_size, width, capacity, args.mesh,
-                                      not args.replicate_draft, fixed, args.serving, pages)
+                                      not args.replicate_draft, fixed, args.serving, pages, more)
   return result, drafter, report
+
+
+def round_lens(args: argparse.Namespace) -> list[int]:
+  try:
+    lens = sorted({int(k) for k in args.round_lens.split(",") if k.strip()} - {args.draft_len})
+  except ValueError:
+    lens = [0]
+  if any(not 1 <= k <= MAX_DRAFT_LEN for k in lens):
+    raise ValueError(f"--round-lens {args.round_lens!r}: draft lengths from 1 to {MAX_DRAFT_LEN}, comma-separated")
+  if lens and args.compile_for is None:
+    raise ValueError("--round-lens estimates rounds on the --compile-for hardware: name it")
+  return lens
+
+
+def adaptive_choice(round_costs: dict[int, float], tau: float, at: int) -> tuple[float, int]:
+  """(α, K): the per-position acceptance α at which a round of `at` drafts commits τ tokens on average
+  (1 + α + ... + α^at = τ), and the K among `round_costs` (plain steps, by K) that the adaptive policy's rule,
+  the most tokens per plain step, picks at that α."""
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if sum(mid ** i for i in range(at + 1)) < tau else (lo, mid)
+  gain = {k: sum(lo ** i for i in range(k + 1)) / cost for k, cost in round_costs.items()}
+  return lo, max(gain, key=gain.get)
 
 
 def describe(p, args: argparse.Namespace, drafter: str | None) -> str:
@@ -222,7 +251,17 @@ def describe_compiled(r, tau: float = 3.0) -> str:
       f"TFLOP/s, "
       f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s): plain step {r.plain_step_s * 1e3:.3f} ms, round of K = "
       f"{r.draft_len} {r.round_s * 1e3:.3f} ms = {r.round_cost:.2f} plain steps; at τ = {tau:g}: "
-      f"{r.speedup(tau):.2f}x (estimate)", f"  attention: {r.attention}", *_describe_server(r)])
+      f"{r.speedup(tau):.2f}x (estimate)", *_describe_rounds(r, tau), f"  attention: {r.attention}",
+      *_describe_server(r)])
+
+
+def _describe_rounds(r, tau: float) -> list[str]:
+  if not r.rounds:
+    return []
+  costs = r.round_costs()
+  alpha, best = adaptive_choice(costs, tau, r.draft_len)
+  return ["  rounds in plain steps (estimate): " + ", ".join(f"K = {k} {c:.2f}" for k, c in costs.items()),
+          f"  the adaptive policy's K at τ = {tau:g} for K = {r.draft_len} (α = {alpha:.2f} per position): {best}"]
 
 
 def _describe_server(r) -> list[str]:
@@ -241,7 +280,8 @@ def compiled_json(r, tau: float = 3.0) -> dict:
           "hbm_bytes": r.per_device.hbm_bytes, "fits": r.fits, "estimated_plain_step_s": r.plain_step_s,
           "estimated_round_s": r.round_s, "estimated_round_cost": r.round_cost,
           f"estimated_speedup_at_tau_{tau:g}": r.speedup(tau), "chip_source": r.target.chip.source,
-          "attention": r.attention,
+          "attention": r.attention, "round_costs": {str(k): c for k, c in r.round_costs().items()},
+          **({f"adaptive_k_at_tau_{tau:g}": adaptive_choice(r.round_costs(), tau, r.draft_len)[1]} if r.rounds else {}),
           "server": r.server and {name: {k: getattr(c, k) for k in ("argument_bytes", "temp_bytes", "total_bytes")}
                                   for name, c in r.server.items()}}
 

@@ -36,7 +36,7 @@ from jspec.model.config import MoeConfig  # noqa: E402
 CONFIG = dataclasses.replace(testing.TINY, vocab_size=264, n_heads=8, n_kv_heads=8, head_dim=8, eos_id=None)
 DRAFT = dataclasses.replace(CONFIG, n_layers=1, mlp_dim=64)
 # A mixture of experts: a dense first layer, then 8 experts whose MLP columns split over "model"
-MOE = dataclasses.replace(CONFIG, moe=MoeConfig(experts=8, top_k=2, expert_dim=64, shared_dim=64,
+MOE = dataclasses.replace(CONFIG, moe=MoeConfig(experts=8, top_k=2, expert_dim=512, shared_dim=64,
                                                 dense_layers=(0,)))
 target = testing.random_model(CONFIG, seed=0, scale=2.0)
 moe_target = testing.random_model(MOE, seed=0, scale=2.0)
@@ -128,7 +128,7 @@ for spec in args.meshes.split(";"):
       **runs(mesh),
       "param_specs": {k: str(specs["layers"][0][k]) for k in ("wq", "wk", "wo", "w_gate", "w_down")} |
                      {"embed": str(specs["embed"])} |
-                     {k: str(moe_specs[k]) for k in ("router", "we_gate", "we_up", "we_down", "w_gate")},
+                     {k: str(moe_specs[k]) for k in ("router", "we_gate_up", "we_down", "w_gate")},
       "cache_spec": str(sharding.cache_layout(len(prompts), CONFIG, mesh).spec),
       "cache_heads_major": sharding.cache_layout(len(prompts), CONFIG, mesh).heads_major,
       "sharded_init_equals_host_init": all(

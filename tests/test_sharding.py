@@ -50,8 +50,8 @@ def test_partition_specs_follow_the_rules(eight_devices):
                                "wo": "P('model', None)", "w_gate": "P(None, 'model')",
                                "w_down": "P('model', None)", "embed": "P('model', None)",
                                # every expert on every device, its MLP columns split; the router whole
-                               "router": "P(None, None)", "we_gate": "P(None, None, 'model')",
-                               "we_up": "P(None, None, 'model')", "we_down": "P(None, 'model', None)"}
+                               "router": "P(None, None)", "we_gate_up": "P(None, None, 'model')",
+                               "we_down": "P(None, 'model', None)"}
   assert tp["cache_spec"] == "P('model', None, None)" and tp["cache_heads_major"]
   # a quantized weight's scales split with its output channels
   assert tp["hf_directory"]["quantized_specs"] == ["P(None, 'model')"] * 2 + ["P('model', None)", "P(None, None)"]

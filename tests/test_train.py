@@ -101,7 +101,7 @@ def tiny_target(tmp_path_factory, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])  # mtp: an MTP layer for a target that has none
 def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tiny_target, kind):
   tmp_path = tiny_target
   heads_cfg = _config(tmp_path, kind, 20, drafter=kind, target=str(tmp_path / "target"),

@@ -63,6 +63,13 @@ class Decoder:
     return () if self.drafter is None else self.drafter.feature_layers
 
   @property
+  def verify_width(self) -> int:
+    """Tokens per row a round's verify feeds the target: K + 1, or a tree's nodes and the pending token."""
+    if self.drafter is None:
+      return 1
+    return 1 + (self.spec.draft_len if self.spec.tree is None else self.spec.tree.nodes)
+
+  @property
   def headroom(self) -> int:
     """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
     if self.drafter is None:

@@ -26,6 +26,7 @@ from jspec.model import model, quantization, sharding
 from jspec.model.config import ModelConfig
 from jspec.model.hf_config import ATTENTION_NAMES, BIAS_NAMES, MLP_NAMES, MOE_NAMES, config_from_hf
 from jspec.model.model import Model
+from jspec.model.moe import interleave
 from jspec.text.tokenizer import load_chat_template, load_tokenizer
 
 
@@ -196,8 +197,9 @@ def _experts(tensors: _Tensors, pre: str, config: ModelConfig, family: str, take
   """A sparse layer's router, stacked experts [O,D,Fe] / [O,Fe,D], correction bias and shared experts."""
   names, moe = MOE_NAMES[family], config.moe
   out = {"router": take(f"{pre}{names['router']}.weight", True)}
-  for ours in ("we_gate", "we_up", "we_down"):
-    out[ours] = np.stack([take(f"{pre}{names['experts']}.{e}.{names[ours]}.weight", True) for e in range(moe.experts)])
+  stacked = {ours: np.stack([take(f"{pre}{names['experts']}.{e}.{names[ours]}.weight", True)
+                             for e in range(moe.experts)]) for ours in ("we_gate", "we_up", "we_down")}
+  out.update(we_gate_up=interleave(stacked["we_gate"], stacked["we_up"]), we_down=stacked["we_down"])
   if moe.routing == "sigmoid":
     out["router_bias"] = take(f"{pre}{names['router']}.e_score_correction_bias", False)
   if moe.shared_dim:

@@ -63,7 +63,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
       layer.update(mlp(f))
     else:
       o, fe = e.experts, e.expert_dim
-      layer.update(router=dense((d, o), d), we_gate=dense((o, d, fe), d), we_up=dense((o, d, fe), d),
+      layer.update(router=dense((d, o), d), we_gate_up=dense((o, d, 2 * fe), d),
                    we_down=dense((o, fe, d), fe) / (2 * config.n_layers) ** 0.5)
       if e.shared_dim:
         layer.update(mlp(e.shared_dim))

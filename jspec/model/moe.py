@@ -1,8 +1,15 @@
 """Mixture-of-experts MLPs: a router picks each token's experts, and the experts run as grouped matmuls.
 
 A sparse layer's parameters: `router [D,O]`, with sigmoid routing `router_bias [O]` (the correction bias
-that only steers the choice), the experts' gated MLPs stacked `we_gate, we_up [O,D,Fe]`, `we_down [O,Fe,D]`,
+that only steers the choice), the experts' gated MLPs stacked, `we_gate_up [O,D,2Fe]` and `we_down [O,Fe,D]`,
 and shared experts as an ordinary MLP (`w_gate`, `w_up`, `w_down` of `MoeConfig.shared_dim`) beside them.
+
+`we_gate_up` holds each expert's gate and up columns interleaved in blocks of `chunk(Fe)` (64): gate block
+0, up block 0, gate block 1, ... A split over "model" into whole block pairs keeps each gate beside its up, and
+each device's share stays a whole number of 128-lane tiles where Fe / devices is a multiple of 64 (Qwen3-30B-A3B's
+768 over 4 devices: 384 columns). XLA's TPU grouped matmul needs its weight's output columns minor; a share
+of separate gate columns (192) is laid out the other way by default, and XLA then copied every expert's gate
+and up weights once per program: 15.6 GB of temporaries per device at that shape.
 
 Every token runs exactly its own `top_k` experts: the (token, expert) pairs are sorted by expert and each
 expert's rows go through one `jax.lax.ragged_dot`, so nothing is padded to a capacity and no token is ever
@@ -16,10 +23,35 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.model.config import MoeConfig
 
 Params = dict
+CHUNK = 64
+
+
+def chunk(expert_dim: int) -> int:
+  """The columns of gate (then of up) that `we_gate_up` keeps together: 64, or all of them when 64 does not
+  divide the expert's width."""
+  return CHUNK if expert_dim % CHUNK == 0 else expert_dim
+
+
+def interleave(gate_OxDxFe: jax.Array, up_OxDxFe: jax.Array) -> jax.Array:
+  """`we_gate_up [O,D,2Fe]` from the gate and up weights (any array library's arrays)."""
+  o, d, fe = gate_OxDxFe.shape
+  c = chunk(fe)
+  xp = np if isinstance(gate_OxDxFe, np.ndarray) else jnp  # numpy as a checkpoint is read
+  both = xp.stack([gate_OxDxFe.reshape(o, d, fe // c, c), up_OxDxFe.reshape(o, d, fe // c, c)], axis=3)
+  return both.reshape(o, d, 2 * fe)
+
+
+def gate_and_up(gate_up_XxF2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The gate and up parts of `we_gate_up` (or of its output rows), each [..., Fe]."""
+  fe = gate_up_XxF2.shape[-1] // 2
+  c = chunk(fe)
+  both = gate_up_XxF2.reshape(*gate_up_XxF2.shape[:-1], fe // c, 2, c)
+  return both[..., 0, :].reshape(*gate_up_XxF2.shape[:-1], fe), both[..., 1, :].reshape(*gate_up_XxF2.shape[:-1], fe)
 
 
 def route(h_TxD: jax.Array, layer: Params, moe: MoeConfig) -> tuple[jax.Array, jax.Array]:
@@ -53,9 +85,7 @@ def experts(h_BxSxD: jax.Array, layer: Params, moe: MoeConfig, activation: Calla
   order = jnp.argsort(experts_TxOk.reshape(-1), stable=True)  # the (token, expert) pairs, by expert
   token = order // moe.top_k
   sizes_O = jnp.bincount(experts_TxOk.reshape(-1), length=moe.experts).astype(jnp.int32)
-  x = h_TxD[token]
-  hidden = activation(jax.lax.ragged_dot(x, layer["we_gate"], sizes_O)) * jax.lax.ragged_dot(x, layer["we_up"],
-                                                                                             sizes_O)
-  y = jax.lax.ragged_dot(hidden, layer["we_down"], sizes_O)
+  gate, up = gate_and_up(jax.lax.ragged_dot(h_TxD[token], layer["we_gate_up"], sizes_O))
+  y = jax.lax.ragged_dot(activation(gate) * up, layer["we_down"], sizes_O)
   y = y * weights_TxOk.reshape(-1)[order][:, None].astype(y.dtype)
   return jnp.zeros_like(h_TxD).at[token].add(y).reshape(h_BxSxD.shape)

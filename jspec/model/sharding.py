@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jspec.model import model
+from jspec.model import model, moe
 from jspec.model.cache import KVCache
 from jspec.model.config import ModelConfig
 
@@ -50,8 +50,7 @@ PARAM_AXES = {
     "wo": ("heads", "embed"), "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "router": ("embed", "experts"), "router_bias": ("experts",),
-    "we_gate": ("experts", "embed", "expert_mlp"), "we_up": ("experts", "embed", "expert_mlp"),
-    "we_down": ("experts", "expert_mlp", "embed"),
+    "we_gate_up": ("experts", "embed", "expert_mlp"), "we_down": ("experts", "expert_mlp", "embed"),
     # EAGLE's input projections and EAGLE-3's norms (its `lm_head` over a draft vocabulary: `target_ids`)
     "fc": ("embed", "embed"), "fc_bias": ("embed",), "fuse": ("embed", "embed"), "embed_norm": ("embed",),
     "hidden_norm": ("embed",),
@@ -84,12 +83,13 @@ def make_mesh(spec: str, devices: list | None = None) -> Mesh:
 
 def _units(config: ModelConfig) -> dict[str, int]:
   """How many indivisible units each logical axis holds: a shard must hold whole ones."""
-  return {"heads": config.n_heads, "kv_heads": config.n_kv_heads}
+  return {"heads": config.n_heads, "kv_heads": config.n_kv_heads,  # experts: whole blocks of `moe.chunk`
+          "expert_mlp": config.moe.expert_dim // moe.chunk(config.moe.expert_dim) if config.moe else 0}
 
 
 # Axes whose shards need only hold whole columns: each weight's own size decides (a draft vocabulary, shared
 # experts' MLP width).
-SIZED_BY_WEIGHT = ("vocab", "mlp", "expert_mlp")
+SIZED_BY_WEIGHT = ("vocab", "mlp")
 
 
 def logical_to_spec(axes: tuple, mesh: Mesh, units: dict[str, int]) -> PartitionSpec:

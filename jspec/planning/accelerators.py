@@ -177,6 +177,7 @@ class Report:
   draft_len: int
   attention: str  # what reads the caches: `pallas_attention.attention_name`
   server: dict[str, Compiled] | None = None  # "segment", "insert"
+  rounds: dict[int, float] = dataclasses.field(default_factory=dict)  # more rounds' estimates, by fixed K
 
   @property
   def per_device(self) -> Chip:
@@ -199,38 +200,63 @@ class Report:
     """The speedup a round that commits τ tokens on average would give (estimate)."""
     return tau / self.round_cost
 
+  def round_costs(self) -> dict[int, float]:
+    """Every estimated round in plain steps, by K."""
+    return {k: s / self.plain_step_s for k, s in sorted({**self.rounds, self.draft_len: self.round_s}.items())}
+
 
 def roofline_seconds(cost: Compiled, chip: Chip) -> float:
   """The larger of memory time and compute time: what the chip cannot beat."""
   return max(cost.bytes_accessed / chip.hbm_bytes_per_s, cost.flops / chip.bf16_flops_per_s)
 
 
+def untouched_experts(decoder: Decoder, tokens: int, mesh) -> float:
+  """The bytes of the target's experts, on one device, that a forward over `tokens` tokens is expected not to
+  read, with every token routed to `top_k` of the experts independently and uniformly (each expert missed by
+  all of them with probability (1 - k/O)^tokens). XLA's cost analysis counts a grouped matmul as reading every
+  expert; real routing, which favours some experts and repeats them along a text, touches fewer."""
+  moe = decoder.target_config.moe
+  if moe is None:
+    return 0.0
+  return memory.Experts.of(decoder, mesh).bytes_per_device * (1 - moe.top_k / moe.experts) ** tokens
+
+
 def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int, capacity: int,
                 mesh_spec: str | None = None, shard_draft: bool = True, round_decoder: Decoder | None = None,
-                serving: bool = False, pages: int | None = None) -> Report:
+                serving: bool = False, pages: int | None = None,
+                more_rounds: dict[int, Decoder] | None = None) -> Report:
   """Compiles the decode program of `decoder` (abstract weights: `jspec.planning.shaped.shaped_decoder`) for
   `target`'s devices, on `mesh_spec` (default: every device on the model axis), and estimates a plain step
   and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
-  round would count every offered K's branch), each compiled on its own over the state a prefill leaves. XLA counts
-  a loop's body once: the drafter's chained steps inside a round count as one. With
-  `serving`, also the server's programs for `batch` slots over a pool of `pages` pages (`compile_server`)."""
+  round would count every offered K's branch), each compiled on its own over the state a prefill leaves, and
+  the rounds of `more_rounds` (fixed K -> decoder) likewise. XLA counts a loop's body once: the drafter's
+  chained steps inside a round count as one. A mixture of experts' step reads the experts its tokens touch
+  (`untouched_experts`: the verify's K + 1 tokens per row, or a tree's entries). With `serving`, also the
+  server's programs for `batch` slots over a pool of `pages` pages (`compile_server`)."""
   devices = target.devices()
   mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
   place = lambda d: sharding.place_decoder(mesh, d, batch, shard_draft)
   program_decoder = place(decoder)
   abstract = sharding.place(memory.abstract_batch(program_decoder, batch, prompt_width, capacity), mesh)
   program = compiled(programs.lower(program_decoder, abstract))
-  placed = program_decoder if round_decoder is None else place(round_decoder)
-  state = started_state(placed, abstract, capacity)
   per_device = target.per_device(len(devices))
-  # The state donated, as the loop updates it in place: no copy of the caches into a fresh output counts.
-  step_time = lambda step: roofline_seconds(compiled(jax.jit(step, in_shardings=_shardings((placed, state)),
-                                                             donate_argnums=1).lower(placed, state)), per_device)
-  plain = step_time(loop.autoregressive_step)
-  spec_round = step_time(loop.speculative_step) if placed.drafter is not None else plain
+  rows = batch // mesh.shape["data"] if batch % mesh.shape["data"] == 0 else batch
+
+  def step_time(placed: Decoder, step) -> float:
+    # The state donated, as the loop updates it in place: no copy of the caches into a fresh output counts.
+    state = started_state(placed, abstract, capacity)
+    cost = compiled(jax.jit(step, in_shardings=_shardings((placed, state)), donate_argnums=1).lower(placed, state))
+    verified = 1 if step is loop.autoregressive_step else placed.verify_width
+    touched = cost.bytes_accessed - untouched_experts(placed, rows * verified, mesh)
+    return roofline_seconds(dataclasses.replace(cost, bytes_accessed=touched), per_device)
+
+  placed = program_decoder if round_decoder is None else place(round_decoder)
+  plain = step_time(placed, loop.autoregressive_step)
+  spec_round = step_time(placed, loop.speculative_step) if placed.drafter is not None else plain
   kernel = placed.kernel(placed.target_config.head_dim)
+  rounds = {k: step_time(place(d), loop.speculative_step) for k, d in (more_rounds or {}).items()}
   report = Report(target, len(devices), program, plain, spec_round, placed.draft_len,
-                  pallas_attention.attention_name(kernel))
+                  pallas_attention.attention_name(kernel), rounds=rounds)
   if not serving:
     return report
   return dataclasses.replace(report, server=compile_server(program_decoder, batch, prompt_width, capacity, pages))

@@ -104,7 +104,8 @@ def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill
   - per row prefilled together (default all), per prompt token, twice one layer's activations in the model's
     dtype (XLA keeps the next layer's beside the current one): three model-width rows (the residual stream,
     the attention's projected output, the MLP's input), this device's share (`model_shards`) of the
-    queries, keys, values and attention output and of the MLP's two hidden rows, and the feature layers a
+    queries, keys, values and attention output and of the MLP's two hidden rows (a mixture's: its top-k
+    experts' and the shared experts'), and the feature layers a
     head drafter keeps;
   - `scores_in_memory` (the XLA loop; a kernel keeps them on chip): six fp32 rows of a block's scores per
     query head per prompt token.
@@ -112,11 +113,13 @@ def estimated_workspace(decoder: Decoder, batch: int, prompt_width: int, prefill
   `jspec.planning.shaped.compiled_workspace` measures (tests/test_memory.py)."""
   config = decoder.target_config
   share = lambda n: -(-n // model_shards)
-  tree = decoder.spec.tree if decoder.drafter is not None else None
-  verified = 1 + (0 if decoder.drafter is None else decoder.draft_len if tree is None else tree.nodes)
+  verified = decoder.verify_width
   prefill_rows = batch if prefill_rows is None else prefill_rows
+  moe = config.moe  # a token's hidden rows: its experts' and the shared experts', or a dense layer's
+  mlp = config.mlp_dim if moe is None else max(moe.top_k * moe.expert_dim + moe.shared_dim,
+                                               config.mlp_dim if moe.dense_layers else 0)
   layer = (3 * config.dim + 2 * (share(config.n_heads) + share(config.n_kv_heads)) * config.head_dim
-           + 2 * share(config.mlp_dim))
+           + 2 * share(mlp))
   per_prompt_token = ((2 * layer + len(decoder.feature_layers) * config.dim) * jnp.dtype(config.jnp_dtype).itemsize
                       + scores_in_memory * 6 * 4 * config.n_heads * kvcache.BLOCK_SIZE)
   return 4 * batch * 10 * verified * config.vocab_size + prefill_rows * prompt_width * per_prompt_token
@@ -170,7 +173,7 @@ def usage(decoder: Decoder, batch: int, prompt_width: int, capacity: int, mesh=N
   return Usage(weights, draft_weights, kv, draft_kv, int(rest + activations))
 
 
-EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
+EXPERT_WEIGHTS = ("we_gate_up", "we_down")
 
 
 @dataclasses.dataclass(frozen=True)

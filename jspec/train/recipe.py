@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
       epilog="example: python -m jspec.train drafter --kind medusa --target code --data notes/ code.jsonl "
              "--out my-medusa")
   p.add_argument("--kind", choices=sorted(kinds), required=True,
-                 help="EAGLE head, Medusa heads, or a small draft model")
+                 help="EAGLE head, Medusa heads, an MTP layer, or a small draft model")
   p.add_argument("--target", required=True, help="the target: a shipped pair's name, a jspec or Hugging Face dir")
   p.add_argument("--data", nargs="+", required=True, metavar="PATH",
                  help=f"text files, JSONL files (a `text` or `prompt` field per line), or directories (their "
