@@ -78,8 +78,9 @@ def add_model_args(p: argparse.ArgumentParser, config_files: bool = False) -> No
                       + (", or its config.json / drafter.json" if config_files else "")
                       + " (default: the shipped weights of --drafter when the target is a shipped one)")
   g.add_argument("--drafter", choices=DRAFTERS, default=None,
-                 help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, or n-gram lookup in the "
-                      f"context (default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")
+                 help=f"who proposes tokens: a draft model, Medusa heads, an EAGLE head, n-gram lookup in the "
+                      f"context, other requests' texts (suffix), or the MTP layer of --target's checkpoint (mtp) "
+                      f"(default: the kind of --draft, else {shipped.DEFAULT_DRAFTER})")
   g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
   g.add_argument("--dtype", choices=DTYPES, default=None,
                  help="parameters and activations (default: float32 on the CPU, bfloat16 on accelerators)")

@@ -225,6 +225,25 @@ def test_the_documented_configs_plan(draft, capsys):
   assert not out["fits"] and out["rows_at_mean_len"] == min(64, out["kv_pages"] // 16) == 64
 
 
+def test_a_mixture_of_experts_plans_its_experts(capsys):
+  """Qwen3-30B-A3B's shape on four devices: every expert on each, its MLP columns split four ways; with its
+  EAGLE-3 head, or an MTP layer for it (a sparse layer of its shape)."""
+  configs = pathlib.Path(__file__).parents[1] / "docs" / "plan"
+  args = ["--target", str(configs / "qwen3-30b-a3b.json"), "--mesh", "model=4", "--device-memory", "95GB",
+          "--context", "4096", "--batch-size", "8", "--estimate"]
+  assert plan.main([*args, "--draft", str(configs / "qwen3-30b-a3b-eagle3.json"), "--drafter", "eagle",
+                    "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  experts = out["experts"]
+  assert (experts["per_layer"], experts["per_token"], experts["sparse_layers"]) == (128, 8, 48)
+  assert experts["params"] == 48 * 128 * 3 * 2048 * 768 and experts["bytes_per_device"] == experts["params"] * 2 // 4
+  assert round(experts["total_params"] / 1e9, 1) == 30.5 and round(experts["active_params"] / 1e9, 2) == 3.35
+  assert experts["bytes_per_device"] < out["weights_bytes"] < experts["bytes_per_device"] * 1.1
+  assert plan.main([*args, "--drafter", "mtp"]) == 0
+  text = capsys.readouterr().out
+  assert "experts: 128 per layer in 48 layers, 8 per token" in text and "mtp drafter" in text
+
+
 def test_the_plan_shapes_caches_as_generate_and_the_engine_do():
   m = testing.random_model()
   decoder = make_decoder(m, None, None, 1)

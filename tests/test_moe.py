@@ -41,15 +41,16 @@ def test_experts_compute_each_tokens_own_experts_and_drop_none(routing):
   config = dataclasses.replace(CONFIG, moe=dataclasses.replace(GROUPED, routing=routing, experts=8, groups=4,
                                                                top_groups=2, normalize=routing == "sigmoid"))
   layer = model.init_params(config, jax.random.PRNGKey(1))["layers"][1]
-  h = jax.random.normal(jax.random.PRNGKey(2), (3, 5, config.dim))
-  got = moe.experts(h, layer, config.moe, jax.nn.silu)
-  np.testing.assert_allclose(got.reshape(15, -1), dense_reference(h.reshape(15, -1), layer, config), atol=1e-5)
-  # Every token routed to expert 0 (and one other): nothing is capped, so nothing changes but the choice.
-  h = jnp.abs(h)
+  h = jax.random.normal(jax.random.PRNGKey(2), (15, config.dim))
+  # Every token routed to expert 0 (and one other) too: nothing is capped, so nothing changes but the choice.
   crowded = {**layer, "router": layer["router"].at[:, 0].add(100.0)}
-  assert bool((moe.route(h.reshape(15, -1), crowded, config.moe)[1] == 0).any(-1).all())
-  np.testing.assert_allclose(moe.experts(h, crowded, config.moe, jax.nn.silu).reshape(15, -1),
-                             dense_reference(h.reshape(15, -1), crowded, config), atol=1e-5)
+  assert bool((moe.route(jnp.abs(h), crowded, config.moe)[1] == 0).any(-1).all())
+  for x, weights in ((h, layer), (jnp.abs(h), crowded)):
+    want = dense_reference(x, weights, config)
+    np.testing.assert_allclose(moe.experts(x[None], weights, config.moe, jax.nn.silu)[0], want, atol=1e-5)
+    routed = moe.route(x, weights, config.moe)
+    for way in (moe.grouped, moe.every_expert):  # the TPU's and the other platforms'
+      np.testing.assert_allclose(way(x, *routed, weights, jax.nn.silu), want, atol=1e-5)
 
 
 def test_a_rows_output_does_not_depend_on_the_rest_of_the_batch(target):

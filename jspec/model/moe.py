@@ -11,14 +11,19 @@ each device's share stays a whole number of 128-lane tiles where Fe / devices is
 of separate gate columns (192) is laid out the other way by default, and XLA then copied every expert's gate
 and up weights once per program: 15.6 GB of temporaries per device at that shape.
 
-Every token runs exactly its own `top_k` experts: the (token, expert) pairs are sorted by expert and each
-expert's rows go through one `jax.lax.ragged_dot`, so nothing is padded to a capacity and no token is ever
-dropped (a dropped token would change the target's distribution, and speculation would no longer be lossless).
-Routing is per token, so a row's output does not depend on what else is in the batch. XLA for TPUs and GPUs
-runs `ragged_dot` as a grouped matmul; XLA:CPU expands it into one masked matmul per expert.
+Every token's output is exactly the weighted sum of its own `top_k` experts: nothing is padded to a capacity
+and no token is ever dropped (a dropped token would change the target's distribution, and speculation would no
+longer be lossless). Routing is per token, so a row's output does not depend on what else is in the batch.
+Two ways compute it, chosen for the platform the program is lowered for (`jax.lax.platform_dependent`):
+- on TPUs, `grouped`: the (token, expert) pairs sorted by expert, each expert's rows through one
+  `jax.lax.ragged_dot`, which XLA's TPU compiler runs as a grouped matmul;
+- elsewhere, `every_expert`: every token through every expert, the unchosen ones weighted zero. XLA for GPUs
+  and CPUs expands `ragged_dot` into a matmul of every (token, expert) pair against every expert (E times the
+  work); this is k times less, and a decode step or a verify, memory-bound, reads every expert either way.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -82,10 +87,35 @@ def experts(h_BxSxD: jax.Array, layer: Params, moe: MoeConfig, activation: Calla
   """The routed experts' weighted sum for every token, [B,S,D] in `h`'s dtype (shared experts not included)."""
   h_TxD = h_BxSxD.reshape(-1, h_BxSxD.shape[-1])
   weights_TxOk, experts_TxOk = route(h_TxD, layer, moe)
-  order = jnp.argsort(experts_TxOk.reshape(-1), stable=True)  # the (token, expert) pairs, by expert
-  token = order // moe.top_k
-  sizes_O = jnp.bincount(experts_TxOk.reshape(-1), length=moe.experts).astype(jnp.int32)
+  weights = {name: layer[name] for name in ("we_gate_up", "we_down")}
+  out = jax.lax.platform_dependent(h_TxD, weights_TxOk, experts_TxOk, weights,
+                                   tpu=functools.partial(grouped, activation=activation),
+                                   default=functools.partial(every_expert, activation=activation))
+  return out.reshape(h_BxSxD.shape)
+
+
+def grouped(h_TxD: jax.Array, weights_TxOk: jax.Array, experts_TxOk: jax.Array, layer: Params,
+            activation: Callable) -> jax.Array:
+  """The (token, expert) pairs sorted by expert, each expert's rows in one group of a `ragged_dot`."""
+  top_k, experts = experts_TxOk.shape[1], layer["we_down"].shape[0]
+  order = jnp.argsort(experts_TxOk.reshape(-1), stable=True)
+  token = order // top_k
+  sizes_O = jnp.bincount(experts_TxOk.reshape(-1), length=experts).astype(jnp.int32)
   gate, up = gate_and_up(jax.lax.ragged_dot(h_TxD[token], layer["we_gate_up"], sizes_O))
   y = jax.lax.ragged_dot(activation(gate) * up, layer["we_down"], sizes_O)
   y = y * weights_TxOk.reshape(-1)[order][:, None].astype(y.dtype)
-  return jnp.zeros_like(h_TxD).at[token].add(y).reshape(h_BxSxD.shape)
+  return jnp.zeros_like(h_TxD).at[token].add(y)
+
+
+def every_expert(h_TxD: jax.Array, weights_TxOk: jax.Array, experts_TxOk: jax.Array, layer: Params,
+                 activation: Callable) -> jax.Array:
+  """Every token through every expert; the chosen experts' hidden rows scaled by their weights and the others'
+  zeroed before `we_down`, so one contraction over experts and columns sums them. Expert-major activations
+  ([O,T,...]) let the matmuls read the stacked weights as they lie (token-major ones made XLA's GPU compiler
+  copy them)."""
+  gate, up = gate_and_up(jnp.einsum("td,odf->otf", h_TxD, layer["we_gate_up"]))
+  rows = jnp.arange(h_TxD.shape[0])[:, None]
+  weights_OxT = jnp.zeros((h_TxD.shape[0], layer["we_down"].shape[0]), jnp.float32).at[rows, experts_TxOk].set(
+      weights_TxOk).T[..., None]
+  hidden = jnp.where(weights_OxT > 0, activation(gate) * up * weights_OxT.astype(gate.dtype), 0)
+  return jnp.einsum("otf,ofd->td", hidden, layer["we_down"]).astype(h_TxD.dtype)
