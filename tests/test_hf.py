@@ -140,11 +140,13 @@ def test_family_matches_transformers(tmp_path, family):
   else:
     assert plain == hf_greedy(m, PROMPT, NEW)
 
-  # python -m jspec.convert, then the jspec checkpoint reads back the same model.
-  assert convert.main([str(path), str(tmp_path / "converted")]) == 0
-  back = jspec.load(tmp_path / "converted")
-  assert back.config == ours.config
-  jax.tree.map(np.testing.assert_array_equal, back.params, ours.params)
+  # python -m jspec.convert, then the jspec checkpoint reads back the same model (for the families whose configs
+  # hold every kind of field: RoPE scalings, sliding windows and local bases, experts)
+  if family in ("llama", "qwen3", "gemma3", "glm4_moe"):
+    assert convert.main([str(path), str(tmp_path / "converted")]) == 0
+    back = jspec.load(tmp_path / "converted")
+    assert back.config == ours.config
+    jax.tree.map(np.testing.assert_array_equal, back.params, ours.params)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
@@ -412,3 +414,8 @@ def test_mtp_layer_matches_the_forward_serving_systems_run_and_drafts_exactly(tm
   plain = jspec.generate(target, [PROMPT], max_new_tokens=NEW).token_ids
   spec = jspec.generate(target, [PROMPT], draft=heads, spec=testing.fixed_k(3, drafter="mtp"), max_new_tokens=NEW)
   assert spec.token_ids == plain and spec.stats.drafter == "mtp"
+
+  (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()),
+                                                "num_nextn_predict_layers": 0}))
+  with pytest.raises(ValueError, match="no MTP layers .* train some: python -m jspec.train drafter --kind mtp"):
+    jspec.load(path, mtp=True)

@@ -51,6 +51,10 @@ def test_experts_compute_each_tokens_own_experts_and_drop_none(routing):
     routed = moe.route(x, weights, config.moe)
     for way in (moe.grouped, moe.every_expert):  # the TPU's and the other platforms'
       np.testing.assert_allclose(way(x, *routed, weights, jax.nn.silu), want, atol=1e-5)
+  many = jax.random.normal(jax.random.PRNGKey(3), (moe.TOKENS_AT_ONCE + 88, config.dim))  # in two pieces
+  routed = moe.route(many, layer, config.moe)
+  np.testing.assert_allclose(moe.every_expert(many, *routed, layer, jax.nn.silu),
+                             moe.grouped(many, *routed, layer, jax.nn.silu), atol=1e-5)
 
 
 def test_a_rows_output_does_not_depend_on_the_rest_of_the_batch(target):

@@ -34,6 +34,8 @@ from jspec.model.config import MoeConfig
 
 Params = dict
 CHUNK = 64
+TOKENS_AT_ONCE = 512  # `every_expert`'s piece: at Qwen3-30B-A3B's shape, an H100 computes it in about the time
+# it reads the experts
 
 
 def chunk(expert_dim: int) -> int:
@@ -109,6 +111,22 @@ def grouped(h_TxD: jax.Array, weights_TxOk: jax.Array, experts_TxOk: jax.Array, 
 
 def every_expert(h_TxD: jax.Array, weights_TxOk: jax.Array, experts_TxOk: jax.Array, layer: Params,
                  activation: Callable) -> jax.Array:
+  """`_every_expert`, over at most `TOKENS_AT_ONCE` tokens at a time: a prefill's hidden rows for every
+  expert would otherwise take E times a dense MLP's memory (8 rows of 2,048 tokens through Qwen3-30B-A3B's 128
+  experts: 6.4 GB a layer). A decode step or a verify runs in one piece."""
+  tokens = h_TxD.shape[0]
+  if tokens <= TOKENS_AT_ONCE:
+    return _every_expert(h_TxD, weights_TxOk, experts_TxOk, layer, activation)
+  pieces = -(-tokens // TOKENS_AT_ONCE)
+  split = lambda x: jnp.pad(x, [(0, pieces * TOKENS_AT_ONCE - tokens)] + [(0, 0)] * (x.ndim - 1)).reshape(
+      pieces, TOKENS_AT_ONCE, *x.shape[1:])  # padded tokens weigh zero
+  out = jax.lax.map(lambda piece: _every_expert(*piece, layer, activation),
+                    (split(h_TxD), split(weights_TxOk), split(experts_TxOk)))
+  return out.reshape(-1, h_TxD.shape[-1])[:tokens]
+
+
+def _every_expert(h_TxD: jax.Array, weights_TxOk: jax.Array, experts_TxOk: jax.Array, layer: Params,
+                  activation: Callable) -> jax.Array:
   """Every token through every expert; the chosen experts' hidden rows scaled by their weights and the others'
   zeroed before `we_down`, so one contraction over experts and columns sums them. Expert-major activations
   ([O,T,...]) let the matmuls read the stacked weights as they lie (token-major ones made XLA's GPU compiler

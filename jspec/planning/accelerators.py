@@ -230,8 +230,8 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
   and a speculative round of `round_decoder` (default: `decoder`; a fixed K, since the cost of an adaptive
   round would count every offered K's branch), each compiled on its own over the state a prefill leaves, and
   the rounds of `more_rounds` (fixed K -> decoder) likewise. XLA counts a loop's body once: the drafter's
-  chained steps inside a round count as one. A mixture of experts' step reads the experts its tokens touch
-  (`untouched_experts`: the verify's K + 1 tokens per row, or a tree's entries). With `serving`, also the
+  chained steps inside a round count as one. On a TPU, a mixture of experts' step reads the experts its tokens
+  touch (`untouched_experts`: the verify's K + 1 tokens per row, or a tree's entries). With `serving`, also the
   server's programs for `batch` slots over a pool of `pages` pages (`compile_server`)."""
   devices = target.devices()
   mesh = sharding.make_mesh(mesh_spec or f"model={len(devices)}", devices)
@@ -247,7 +247,8 @@ def compile_for(target: Target, decoder: Decoder, batch: int, prompt_width: int,
     state = started_state(placed, abstract, capacity)
     cost = compiled(jax.jit(step, in_shardings=_shardings((placed, state)), donate_argnums=1).lower(placed, state))
     verified = 1 if step is loop.autoregressive_step else placed.verify_width
-    touched = cost.bytes_accessed - untouched_experts(placed, rows * verified, mesh)
+    grouped = target.platform == "tpu"  # elsewhere every token runs through every expert (`jspec.model.moe`)
+    touched = cost.bytes_accessed - grouped * untouched_experts(placed, rows * verified, mesh)
     return roofline_seconds(dataclasses.replace(cost, bytes_accessed=touched), per_device)
 
   placed = program_decoder if round_decoder is None else place(round_decoder)
