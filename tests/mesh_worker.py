@@ -62,7 +62,9 @@ def runs(mesh):
                                     **kw).token_ids,
           "constrained": jspec.generate(ENDING, prompts, draft=draft, spec=FIXED, constraint=CONSTRAINTS,
                                         **kw).token_ids,
-          "moe": jspec.generate(moe_target, prompts, draft=draft, spec=FIXED, **kw).token_ids,
+          # on the mesh with both axes: the experts' columns split over model, the rows over data
+          "moe": jspec.generate(moe_target, prompts, draft=draft, spec=FIXED, **kw).token_ids
+          if mesh is None or dict(mesh.shape) == {"data": 2, "model": 4} else None,
           "continuous": continuous(mesh)}
 
 
