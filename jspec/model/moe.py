@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs: a router picks each token's experts, and the experts run as grouped matmuls.
+"""Mixture-of-experts MLPs: a router picks each token's experts, and each token gets exactly their weighted sum.
 
 A sparse layer's parameters: `router [D,O]`, with sigmoid routing `router_bias [O]` (the correction bias
 that only steers the choice), the experts' gated MLPs stacked, `we_gate_up [O,D,2Fe]` and `we_down [O,Fe,D]`,
@@ -73,11 +73,11 @@ def route(h_TxD: jax.Array, layer: Params, moe: MoeConfig) -> tuple[jax.Array, j
     scores_TxO = jax.nn.sigmoid(logits_TxO)
     choice_TxO = scores_TxO + layer["router_bias"].astype(jnp.float32)
     if moe.groups > 1:  # a group's score: the sum of its two best experts'
-      grouped = choice_TxO.reshape(choice_TxO.shape[0], moe.groups, -1)
-      group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+      by_group = choice_TxO.reshape(choice_TxO.shape[0], moe.groups, -1)
+      group_scores = jax.lax.top_k(by_group, 2)[0].sum(-1)
       kept = jax.lax.top_k(group_scores, moe.top_groups)[1]
       in_kept = jnp.zeros(group_scores.shape, bool).at[jnp.arange(len(kept))[:, None], kept].set(True)
-      choice_TxO = jnp.where(in_kept[:, :, None], grouped, -jnp.inf).reshape(choice_TxO.shape)
+      choice_TxO = jnp.where(in_kept[:, :, None], by_group, -jnp.inf).reshape(choice_TxO.shape)
   experts_TxOk = jax.lax.top_k(choice_TxO, moe.top_k)[1]
   weights_TxOk = jnp.take_along_axis(scores_TxO, experts_TxOk, axis=-1)
   if moe.normalize:
