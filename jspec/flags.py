@@ -16,7 +16,6 @@ import functools
 import json
 import logging
 import os
-import pathlib
 import sys
 from collections.abc import Callable
 
@@ -212,7 +211,7 @@ def default_compile_cache() -> str:
   return os.environ.get("JSPEC_COMPILE_CACHE") or user_cache_dir("xla")
 
 
-def load_draft(args: argparse.Namespace, load: Callable[[str | pathlib.Path], object]) -> tuple:
+def load_draft(args: argparse.Namespace, load: Callable[..., object]) -> tuple:
   """(draft weights or None, the drafter kind or None for plain decoding), read by `load` (`jspec.load`
   with the dtype and mesh asked for, or `jspec.formats.loading.load_shapes` for a memory plan)."""
   if args.no_draft:
