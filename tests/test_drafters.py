@@ -63,7 +63,7 @@ def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
     assert jspec.generate(target, [p], seed=[5 + b], **kw).token_ids[0] == batched.token_ids[b]
 
 
-@pytest.mark.parametrize("kind", ["model", "medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["model", "medusa", "eagle", "eagle3", "dflash"])
 def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
   prefill of the accepted text, including rows rejected in the middle of their draft."""
@@ -154,7 +154,28 @@ def test_bad_drafter_requests_are_one_line_errors(target):
 
 
 @pytest.mark.slow  # the shipped checkpoints, end to end
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "mtp"])  # the shipped target has no MTP layer
+def test_dflash_drafts_a_block_in_one_forward_and_decodes_losslessly(target):
+  """A random DFlash drafter (two layers, blocks of 6): greedy rounds of 5 and adaptive ones (whose plain steps
+  write its pending context) give the target's tokens in a ragged batch; the first two tokens keep the exact
+  law; a draft longer than its block is refused."""
+  drafter = drafters.DFlashDrafter.for_training(target.config, {"draft_layers": 2, "block_size": 6, "mask_token": 15})
+  heads = testing.random_heads(drafter, seed=3)
+  ps = prompts(6, seed=5)
+  plain = jspec.generate(target, ps, max_new_tokens=24).token_ids
+  adaptive = SpecConfig(5, drafter="dflash", adaptive=jspec.AdaptiveConfig(probe_interval=2))
+  for spec in (testing.fixed_k(5, drafter="dflash"), adaptive):
+    r = jspec.generate(target, ps, draft=heads, spec=spec, max_new_tokens=24)
+    assert r.token_ids == plain and 0 < r.stats.acceptance_rate < 1
+  assert r.stats.draft_len_counts.get(0, 0) > 0  # the adaptive run took plain steps
+  tv, bound, stats = testing.two_token_tv(target, [3, 1, 4], (1.0, 0, 1.0), 4000, draft=heads,
+                                          spec=testing.fixed_k(2, drafter="dflash"))
+  assert tv < bound and 0 < stats.acceptance_rate < 1
+  with pytest.raises(ValueError, match="draft_len 6 exceeds the 5 tokens a DFlash block of 6 drafts"):
+    jspec.generate(target, ps, draft=heads, spec=testing.fixed_k(6, drafter="dflash"))
+
+
+# the kinds whose weights ship for it, and those that need none (it has no MTP layer; no DFlash drafter ships)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k in shipped.SMALL.drafts or k in ("ngram", "suffix")])
 def test_shipped_drafters_match_plain_decoding_on_the_small_shipped_target(kind):
   target = jspec.load("code-small")  # a shipped pair's name loads its target, as --target does
   draft = jspec.load(shipped.SMALL.drafts[kind]) if kind in shipped.SMALL.drafts else None

@@ -21,7 +21,9 @@ import jax  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import convert, testing  # noqa: E402
+from jspec.core.settings import SpecConfig  # noqa: E402
 from jspec.decoding.decoder import make_decoder  # noqa: E402
+from jspec.drafters.base import DraftWeights  # noqa: E402
 from jspec.formats.checkpoint import save  # noqa: E402
 from jspec.model import hf, hf_config, model  # noqa: E402
 from jspec.text.tokenizer import byte_tokenizer, encode  # noqa: E402
@@ -419,3 +421,83 @@ def test_mtp_layer_matches_the_forward_serving_systems_run_and_drafts_exactly(tm
                                                 "num_nextn_predict_layers": 0}))
   with pytest.raises(ValueError, match="no MTP layers .* train some: python -m jspec.train drafter --kind mtp"):
     jspec.load(path, mtp=True)
+
+
+def rope(x, positions, theta):
+  """Neox-style rotary embedding of [B, S, heads, Dh] at positions [S]."""
+  half = x.shape[-1] // 2
+  angles = positions[:, None].double() * theta ** (-torch.arange(half).double() / half)
+  cos, sin = torch.cat([angles.cos()] * 2, -1).float()[None, :, None], torch.cat([angles.sin()] * 2, -1).float()[None, :, None]
+  return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def test_dflash_drafter_matches_the_published_forward_and_drafts_exactly(tmp_path):
+  """z-lab's layout: a random DFlash drafter (two Qwen3 layers reading target layers 0 and 1, blocks of 4) for a
+  random qwen3 target. Its draft logits against z-lab's forward written here in torch (the target's hidden states
+  of those layers projected and normed as context; the block's queries over the context's and the block's keys,
+  no causal mask); greedy speculation with it gives the target's tokens; `convert --to dflash` writes it back."""
+  m, path = make_hf(tmp_path, "qwen3")
+  d, heads_, kv, dh, layers, block, mask, theta = 64, 4, 2, 16, 2, 4, 263, 10000.0
+  torch.manual_seed(2)
+  w = {"fc.weight": torch.randn(d, 2 * d) / (2 * d) ** 0.5, "hidden_norm.weight": 1 + 0.2 * torch.randn(d),
+       "norm.weight": 1 + 0.2 * torch.randn(d)}
+  shapes = {"self_attn.q_proj": (heads_ * dh, d), "self_attn.k_proj": (kv * dh, d), "self_attn.v_proj": (kv * dh, d),
+            "self_attn.o_proj": (d, heads_ * dh), "mlp.gate_proj": (96, d), "mlp.up_proj": (96, d),
+            "mlp.down_proj": (d, 96)}
+  for i in range(layers):
+    w.update({f"layers.{i}.{name}.weight": torch.randn(*s) / s[1] ** 0.5 for name, s in shapes.items()})
+    w.update({f"layers.{i}.{name}.weight": 1 + 0.2 * torch.randn(n) for name, n in (
+        ("input_layernorm", d), ("post_attention_layernorm", d), ("self_attn.q_norm", dh), ("self_attn.k_norm", dh))})
+  draft_dir = tmp_path / "dflash"
+  draft_dir.mkdir()
+  from safetensors.torch import save_file
+  save_file(w, str(draft_dir / "model.safetensors"))
+  (draft_dir / "config.json").write_text(json.dumps({
+      "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": d, "intermediate_size": 96,
+      "num_hidden_layers": layers, "num_attention_heads": heads_, "num_key_value_heads": kv, "head_dim": dh,
+      "rms_norm_eps": 1e-6, "rope_theta": theta, "vocab_size": 264, "max_position_embeddings": 512,
+      "block_size": block, "num_target_layers": 3, "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": mask}}))
+
+  tokens = torch.tensor([PROMPT])
+  n = tokens.shape[1]
+  with torch.no_grad():  # z-lab's forward: context = the positions before the pending token n - 1
+    out = m(tokens, output_hidden_states=True)
+    ctx = rms(torch.cat([out.hidden_states[i + 1] for i in (0, 1)], -1)[:, :n - 1] @ w["fc.weight"].T,
+              w["hidden_norm.weight"])
+    h = m.model.embed_tokens(torch.tensor([[PROMPT[-1]] + [mask] * (block - 1)]))
+    q_pos, k_pos = torch.arange(n - 1, n - 1 + block), torch.arange(n - 1 + block)
+    for i in range(layers):
+      p = lambda name: w[f"layers.{i}.{name}.weight"]
+      x = rms(h, p("input_layernorm"))
+      q = rope(rms((x @ p("self_attn.q_proj").T).view(1, block, heads_, dh), p("self_attn.q_norm")), q_pos, theta)
+      both = torch.cat([ctx, x], 1)
+      k = rope(rms((both @ p("self_attn.k_proj").T).view(1, -1, kv, dh), p("self_attn.k_norm")), k_pos, theta)
+      v = (both @ p("self_attn.v_proj").T).view(1, -1, kv, dh)
+      k, v = k.repeat_interleave(heads_ // kv, 2), v.repeat_interleave(heads_ // kv, 2)
+      attn = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) * dh ** -0.5, -1)
+      h = h + torch.einsum("bhqk,bkhd->bqhd", attn, v).reshape(1, block, -1) @ p("self_attn.o_proj").T
+      y = rms(h, p("post_attention_layernorm"))
+      h = h + (torch.nn.functional.silu(y @ p("mlp.gate_proj").T) * (y @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+    want = (rms(h, w["norm.weight"]) @ m.lm_head.weight.T)[:, 1:].numpy()
+
+  target, heads = jspec.load(path), jspec.load(draft_dir)
+  assert heads.drafter.kind == "dflash" and heads.drafter.feature_layers == (0, 1) and heads.drafter.block_size == block
+  drafter = heads.drafter.for_pair(target, heads, SpecConfig(3, drafter="dflash"))
+  weights = DraftWeights(heads.params, model.with_head(target.params))
+  features = model.forward_full(target.params, np.asarray(tokens), target.config, drafter.feature_layers)[1]
+  state = drafter.prefill(weights, drafter.init(1, 128, 3), np.asarray(tokens), np.array([n]), features,
+                          np.zeros(1, np.int32))
+  got = drafter.block_logits(weights, state.cache, np.asarray(tokens), np.array([n]))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+  plain = jspec.generate(target, [PROMPT], max_new_tokens=NEW).token_ids
+  r = jspec.generate(target, [PROMPT], draft=heads, spec=testing.fixed_k(3, drafter="dflash"), max_new_tokens=NEW)
+  assert r.token_ids == plain and r.stats.drafter == "dflash"
+
+  assert convert.main(["--to", "dflash", str(draft_dir), str(tmp_path / "out"), "--target", str(path)]) == 0
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["dflash_config"] == {
+      "target_layer_ids": [0, 1], "mask_token_id": mask}
+  back = jspec.load(tmp_path / "out")
+  assert back.drafter == heads.drafter
+  for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(heads.params)):
+    np.testing.assert_array_equal(a, b)

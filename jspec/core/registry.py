@@ -12,6 +12,7 @@ from typing import Any
 DRAFTERS: dict[str, str | type] = {
     "model": "jspec.drafters.draft_model:ModelDrafter",
     "medusa": "jspec.drafters.medusa:MedusaDrafter",
+    "dflash": "jspec.drafters.dflash:DFlashDrafter",  # before eagle: a one-layer DFlash directory has an fc
     "eagle": "jspec.drafters.eagle:EagleDrafter",
     "mtp": "jspec.drafters.mtp:MtpDrafter",
     "ngram": "jspec.drafters.ngram:NgramDrafter",

@@ -71,13 +71,13 @@ class Decoder:
 
   @property
   def headroom(self) -> int:
-    """Slots a round may write past a row's text: a verify of K+1 tokens, or a drafter's catch-up."""
+    """Slots a round may write past a row's text: a verify of K+1 tokens, a drafter's catch-up or its block."""
     if self.drafter is None:
       return 0
     shape = self.spec.tree
     # A tree's verify writes its nodes; a growing drafter writes top_k entries per level but the last.
     written = self.spec.draft_len if shape is None else max(shape.nodes, shape.top_k * (self.spec.draft_len - 1))
-    return max(written, self.drafter.max_lag)
+    return max(written, self.drafter.max_lag, self.drafter.writes_ahead)
 
   @property
   def context_len(self) -> int:

@@ -124,6 +124,11 @@ class Drafter:
     return self
 
   @property
+  def writes_ahead(self) -> int:
+    """Slots past a row's pending token its own cache is written at while it drafts (a block drafted at once)."""
+    return 0
+
+  @property
   def context_len(self) -> int | None:
     """The longest text (prompt + new tokens) the drafter holds; None: as long as the target's."""
     return None

@@ -140,6 +140,9 @@ def layer_tensors(layer: dict, prefix: str, input_norm: str | None) -> dict[str,
   out[f"{prefix}post_attention_layernorm.weight"] = f32(layer["mlp_norm"])
   if input_norm is not None:
     out[f"{prefix}{input_norm}.weight"] = f32(layer["attn_norm"])
+  for norm in ("q_norm", "k_norm"):
+    if norm in layer:
+      out[f"{prefix}self_attn.{norm}.weight"] = f32(layer[norm])
   for ours, theirs in hf_config.BIAS_NAMES.items():
     if ours in layer:
       out[f"{prefix}{theirs}.bias"] = f32(layer[ours])

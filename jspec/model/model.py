@@ -145,6 +145,28 @@ def _mlp(layer: Params, h_BxSxD: jax.Array, config: ModelConfig) -> jax.Array:
   return dense if out is None else out + dense
 
 
+def _project(layer: Params, i: int, name: str, h_BxSxA: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
+             rope_len_B: jax.Array | None) -> jax.Array:
+  """Layer i's queries ("q"), keys ("k", both normed and rotated where the config says) or values ("v") of
+  its inputs, [B,S,heads,Dh]."""
+  x = quantization.linear(h_BxSxA, layer[f"w{name}"])
+  if config.qkv_bias:
+    x = x + layer[f"b{name}"]
+  x = x.reshape(*x.shape[:2], config.n_heads if name == "q" else config.n_kv_heads, config.head_dim)
+  if name == "v":
+    return x
+  if config.qk_norm:
+    x = rms_norm(x, layer[f"{name}_norm"], config)
+  return _rope(config, i, x, positions_BxS, rope_len_B)
+
+
+def keys_values(layer: Params, i: int, h_BxSxA: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
+                rope_len_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Layer i's keys and values of its inputs, [B,S,J,Dh] each, as its attention writes them into a cache."""
+  return (_project(layer, i, "k", h_BxSxA, positions_BxS, config, rope_len_B),
+          _project(layer, i, "v", h_BxSxA, positions_BxS, config, rope_len_B))
+
+
 def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, config: ModelConfig,
                 attend: AttendFn, rope_len_B: jax.Array | None = None, outputs: list | None = None,
                 first_input_BxSxA: jax.Array | None = None) -> jax.Array:
@@ -156,18 +178,12 @@ def layer_stack(params: Params, x_BxSxD: jax.Array, positions_BxS: jax.Array, co
   layer's q/k/v read instead (EAGLE-3's normed embedding and feature side by side, A = 2D).
   """
   batch, seq, _ = x_BxSxD.shape
-  heads = lambda x, n: x.reshape(batch, seq, n, config.head_dim)
   for i, layer in enumerate(params["layers"]):
     h = rms_norm(x_BxSxD, layer["attn_norm"], config) if "attn_norm" in layer else x_BxSxD
     if i == 0 and first_input_BxSxA is not None:
       h = first_input_BxSxA
-    q, k, v = (quantization.linear(h, layer[name]) for name in ("wq", "wk", "wv"))
-    if config.qkv_bias:
-      q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q, k, v = heads(q, config.n_heads), heads(k, config.n_kv_heads), heads(v, config.n_kv_heads)
-    if config.qk_norm:
-      q, k = rms_norm(q, layer["q_norm"], config), rms_norm(k, layer["k_norm"], config)
-    q, k = _rope(config, i, q, positions_BxS, rope_len_B), _rope(config, i, k, positions_BxS, rope_len_B)
+    q = _project(layer, i, "q", h, positions_BxS, config, rope_len_B)
+    k, v = keys_values(layer, i, h, positions_BxS, config, rope_len_B)
     out = quantization.linear(attend(i, q, k, v).reshape(batch, seq, -1), layer["wo"])
     if config.sandwich_norms:
       out = rms_norm(out, layer["post_attn_norm"], config)
