@@ -63,13 +63,19 @@ def test_sampled_rows_in_a_ragged_batch_equal_rows_alone(target, kind):
     assert jspec.generate(target, [p], seed=[5 + b], **kw).token_ids[0] == batched.token_ids[b]
 
 
-@pytest.mark.parametrize("kind", ["model", "medusa", "eagle", "eagle3", "dflash"])
+def parallel_draft(target, mask: int = 15):
+  """A random parallel draft model (PARD's layout): a perturbed copy of the target with a mask token."""
+  draft = make_draft("model", target)
+  return dataclasses.replace(draft, config=dataclasses.replace(draft.config, mask_id=mask))
+
+
+@pytest.mark.parametrize("kind", ["model", "medusa", "eagle", "eagle3", "dflash", "parallel"])
 def test_rollback_leaves_the_drafter_as_a_fresh_prefill_would(target, kind):
   """After each round, the drafter's next proposal from its carried state equals its proposal after a fresh
   prefill of the accepted text, including rows rejected in the middle of their draft."""
   draft_len, rows, width = 4, 16, 16
-  draft = testing.random_eagle3(target) if kind == "eagle3" else make_draft(kind, target)
-  spec = SpecConfig(draft_len, drafter=kind.rstrip("3"), adaptive=None)
+  draft = {"eagle3": testing.random_eagle3, "parallel": parallel_draft}.get(kind, lambda t: make_draft(kind, t))(target)
+  spec = SpecConfig(draft_len, drafter={"eagle3": "eagle", "parallel": "model"}.get(kind, kind), adaptive=None)
   decoder = make_decoder(target, draft, spec, rows)
   ps = prompts(rows, seed=2)
   batch = make_batch(decoder, ps, 64, width=width)
@@ -172,6 +178,24 @@ def test_dflash_drafts_a_block_in_one_forward_and_decodes_losslessly(target):
   assert tv < bound and 0 < stats.acceptance_rate < 1
   with pytest.raises(ValueError, match="draft_len 6 exceeds the 5 tokens a DFlash block of 6 drafts"):
     jspec.generate(target, ps, draft=heads, spec=testing.fixed_k(6, drafter="dflash"))
+
+
+def test_a_parallel_draft_model_drafts_a_round_in_one_forward_and_decodes_losslessly(target):
+  """A draft model with a mask token drafts K tokens from K - 1 masks in one forward: greedy rounds of 4 and
+  adaptive ones (whose plain steps leave its cache further behind) give the target's tokens in a ragged batch;
+  the first two tokens keep the exact law; trees grow as a draft model's do."""
+  draft = parallel_draft(target)
+  ps = prompts(6, seed=6)
+  plain = jspec.generate(target, ps, max_new_tokens=24).token_ids
+  adaptive = SpecConfig(4, adaptive=jspec.AdaptiveConfig(probe_interval=2))
+  tree = SpecConfig(3, tree=jspec.TreeConfig(2, 6), adaptive=None)
+  for spec in (testing.fixed_k(4), adaptive, tree):
+    r = jspec.generate(target, ps, draft=draft, spec=spec, max_new_tokens=24)
+    assert r.token_ids == plain and 0 < r.stats.acceptance_rate < 1
+    assert spec is not adaptive or r.stats.draft_len_counts.get(0, 0) > 0  # plain steps were taken
+  tv, bound, stats = testing.two_token_tv(target, [3, 1, 4], (1.0, 0, 1.0), 4000, draft=draft,
+                                          spec=testing.fixed_k(2))
+  assert tv < bound and 0 < stats.acceptance_rate < 1
 
 
 # the kinds whose weights ship for it, and those that need none (it has no MTP layer; no DFlash drafter ships)

@@ -350,6 +350,11 @@ def test_to_hf_export_loads_in_transformers_and_assisted_generation_matches(tmp_
                                      max_new_tokens=24)[0, len(prompt):].tolist()
   ours = jspec.generate(target, [prompt], draft=draft, max_new_tokens=24, spec=FIXED).token_ids[0]
   assert ours == assisted == hf_greedy(exported["target"], prompt, len(assisted), min_new_tokens=len(assisted))
+  # A parallel draft model's mask token travels as PARD writes it (`pard_token`) and is read back.
+  parallel = dataclasses.replace(draft, config=dataclasses.replace(draft.config, mask_id=7))
+  hf.save_hf(parallel, tmp_path / "parallel-hf")
+  assert json.loads((tmp_path / "parallel-hf" / "config.json").read_text())["pard_token"] == 7
+  assert jspec.load(tmp_path / "parallel-hf").config.mask_id == 7
   gemma = testing.random_model(dataclasses.replace(testing.TINY, norm_plus_one=True))
   with pytest.raises(ValueError, match="Llama directory, which has no"):
     hf.save_hf(gemma, tmp_path / "gemma-hf")

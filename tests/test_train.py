@@ -101,11 +101,11 @@ def tiny_target(tmp_path_factory, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])  # mtp: an MTP layer for a target that has none
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp", "dflash"])  # mtp: an MTP layer for a target that has none
 def test_head_training_lowers_the_loss_and_heads_decode_losslessly(tiny_target, kind):
   tmp_path = tiny_target
-  heads_cfg = _config(tmp_path, kind, 20, drafter=kind, target=str(tmp_path / "target"),
-                      heads={"num_heads": 3} if kind == "medusa" else {"feature_noise": 0.1})
+  options = {"medusa": {"num_heads": 3}, "dflash": {"block_size": 4}}.get(kind, {"feature_noise": 0.1})
+  heads_cfg = _config(tmp_path, kind, 20, drafter=kind, target=str(tmp_path / "target"), heads=options)
   assert trainer.main(["--config", str(heads_cfg)]) == 0
   log = json.loads((tmp_path / kind / "train_log.json").read_text())
   assert log["history"][-1]["validation_loss"] < log["history"][0]["validation_loss"]
@@ -159,11 +159,14 @@ def test_drafter_recipe_trains_each_kind_for_a_target_and_resumes(tiny_target, t
   target = jspec.load(target_dir)
   common = ["--target", str(target_dir), "--data", str(docs), "--sequences", "4", "--prompt-len", "8",
             "--new-tokens", "6", "--slots", "2", "--batch", "2", "--seq-len", "24"]
-  for kind in ("eagle", "medusa", "model"):
+  for kind in ("eagle", "medusa", "model", "parallel"):
     out = tmp_path / kind
-    # EAGLE is measured once (it compiles several loops), over the data's most frequent half of the vocabulary
+    # EAGLE is measured once (it compiles several loops), over the data's most frequent half of the vocabulary;
+    # the parallel draft is the draft model fine-tuned to draft 3 tokens a forward
     half = target.config.vocab_size // 2
-    extra = ["--draft-vocab", str(half)] if kind == "eagle" else ["--no-calibrate"]
+    extra = {"eagle": ["--draft-vocab", str(half)],
+             "parallel": ["--no-calibrate", "--warm-start", str(tmp_path / "model"), "--parallel-len", "3"]}.get(
+                 kind, ["--no-calibrate"])
     assert entry.main(["drafter", "--kind", kind, "--out", str(out), "--steps", "4", *common, *extra]) == 0
     draft = jspec.load(out)
     log = json.loads((out / "train_log.json").read_text())
@@ -174,6 +177,8 @@ def test_drafter_recipe_trains_each_kind_for_a_target_and_resumes(tiny_target, t
       ids = np.asarray(draft.params["target_ids"])
       counts = np.bincount(np.concatenate([target.tokenizer.encode(f.read_text()).ids for f in docs.glob("*.py")]))
       assert (np.diff(ids) > 0).all() and counts.argmax() in ids  # the most frequent tokens, in id order
+    if kind == "parallel":  # the model's shape, and a mask token it reads from its checkpoint
+      assert draft.config.mask_id is not None and draft.config.dim == jspec.load(tmp_path / "model").config.dim
     r = jspec.generate(target, ["def f("], draft=draft, max_new_tokens=12, spec=testing.fixed_k(3))
     assert r.token_ids == jspec.generate(target, ["def f("], max_new_tokens=12).token_ids
 

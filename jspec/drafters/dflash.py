@@ -36,7 +36,7 @@ from jspec.drafters.dflash_formats import default_feature_layers
 from jspec.drafters.base import DraftContext, Drafter, DraftWeights, Features, Proposal, check_heads_fit, draw_path
 from jspec.model import cache as kvcache
 from jspec.model import model
-from jspec.model.masking import MASKED
+from jspec.model.attention import masked_attention
 from jspec.model.config import ModelConfig
 
 DEFAULT_BLOCK = 8
@@ -216,12 +216,12 @@ class DFlashDrafter(Drafter):
     sees_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (batch, anchors * width, anchors * width))
     visible_BxQxK = jnp.concatenate([sees_ctx, sees_block], axis=2)
     layers = params["layers"]
-    scale = model.attention_options(self.config, 0)["scale"] or self.config.head_dim ** -0.5
 
     def attend(i, q, k, v):
       k_ctx, v_ctx = model.keys_values(layers[i], i, ctx, ctx_positions, self.config)
-      return block_attention(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1), visible_BxQxK,
-                             scale)
+      options = model.attention_options(self.config, i)
+      return masked_attention(q, jnp.concatenate([k_ctx, k], 1), jnp.concatenate([v_ctx, v], 1), visible_BxQxK,
+                              options["softcap"], options["scale"])
 
     out = model.layer_stack(params, model.embed(weights.target, block, self.config), positions, self.config, attend)
     logq = jax.nn.log_softmax(self._logits(weights, out).reshape(batch, anchors, width, -1)[:, :, 1:], -1)
@@ -231,14 +231,4 @@ class DFlashDrafter(Drafter):
     kl_BxNxK = jnp.sum(jnp.exp(teacher) * (teacher - logq.reshape(teacher.shape)), -1).reshape(batch, anchors, -1)
     decay_K = jnp.exp(-jnp.arange(width - 1) / gamma)
     return jnp.sum(kl_BxNxK * decay_K) / (batch * anchors * jnp.sum(decay_K))
-
-
-def block_attention(q_BxQxHxDh: jax.Array, k_BxKxJxDh: jax.Array, v_BxKxJxDh: jax.Array, visible_BxQxK: jax.Array,
-                    scale: float) -> jax.Array:
-  """Attention with an explicit mask (training's blocks over the context), every row seeing at least one key."""
-  group = q_BxQxHxDh.shape[2] // k_BxKxJxDh.shape[2]
-  k, v = jnp.repeat(k_BxKxJxDh, group, axis=2), jnp.repeat(v_BxKxJxDh, group, axis=2)
-  s = jnp.einsum("bqhd,bkhd->bhqk", q_BxQxHxDh, k, preferred_element_type=jnp.float32) * scale
-  p = jax.nn.softmax(jnp.where(visible_BxQxK[:, None], s, MASKED), axis=-1)
-  return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q_BxQxHxDh.dtype)
 

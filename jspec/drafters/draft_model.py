@@ -7,6 +7,12 @@ fallback) run no draft forward at all and leave the draft behind by one more tok
 then catches up with one wider forward of `max_lag + 1` tokens, so d >= n - 1 - max_lag must hold. A tree
 round (`propose_tree`) keeps d = n and so trails by the accepted path, at most the tree's depth.
 
+A parallel draft model (PARD's layout: a model whose config names a mask token, `ModelConfig.mask_id`) drafts
+the K tokens of a round in one forward: the tokens its cache lacks, then K - 1 mask tokens, the logits at the
+last real token and at each mask being the draft distributions of the K tokens (each drawn from its own, so
+q is what it was drawn from). Its cache then holds the text `[0, n)` and, after verification, trails the new
+text by the accepted drafts (at most K), which the next round's forward feeds.
+
 The draft may pad its vocabulary to another size than the target's (same tokenizer): its logits are cut or
 padded (with -inf) to the target's width, so it never proposes an id past the smaller of the two. A draft
 with another tokenizer drafts as `CrossVocabDrafter`, by token-level intersection (`jspec.text.vocab_map` builds
@@ -41,11 +47,13 @@ from jspec.drafters.base import (
   Proposal,
   TreeProposal,
   draft_chain,
+  draw_path,
   dynamic_tree_shape,
   onto_vocab,
 )
 from jspec.model import cache as kvcache
 from jspec.model import model
+from jspec.model.attention import masked_attention
 from jspec.model.config import ModelConfig
 from jspec.model.model import Model
 from jspec.speculation import tree
@@ -60,6 +68,7 @@ class ModelDrafter(Drafter):
   config: ModelConfig
   lag: int = 1  # most tokens the cache may trail the text by at the start of a round
   vocab_size: int | None = None  # the target's; None: the draft's own
+  parallel: int = 0  # drafts this many tokens in one forward from mask tokens (a parallel draft's chains); 0: one
   kind = "model"
   is_draft_model = True
   learning_rate = 1.5e-3
@@ -73,14 +82,28 @@ class ModelDrafter(Drafter):
       from jspec.text.tokenizer import same_vocab  # here: the decode loop itself never reads a tokenizer
       if not same_vocab(draft.tokenizer, target.tokenizer):
         return CrossVocabDrafter.for_tokenizers(target, draft)
-    return cls(draft.config, vocab_size=target.config.vocab_size)
+    if draft.config.mask_id is None or spec.tree is not None:
+      return cls(draft.config, vocab_size=target.config.vocab_size)
+    # A parallel draft's cache trails the text by the accepted drafts.
+    return cls(draft.config, spec.draft_len, target.config.vocab_size, parallel=spec.draft_len)
 
   @property
   def max_lag(self) -> int:
     return self.lag
 
+  @property
+  def writes_ahead(self) -> int:
+    return self._parallel_widths[-1] - 1 if self.parallel else 0
+
+  @property
+  def _parallel_widths(self) -> tuple[int, ...]:
+    """A parallel forward's widths: the accepted drafts and the bonus token then K - 1 masks (2K), and the
+    same after plain steps (`max_lag + K`)."""
+    return tuple(sorted({2 * self.parallel, self.lag + self.parallel}))
+
   def with_max_lag(self, lag: int) -> ModelDrafter:
-    return dataclasses.replace(self, lag=max(self.lag, lag))
+    # A parallel draft trails by `lag` more tokens than the K - 1 it may trail after a round already.
+    return dataclasses.replace(self, lag=max(self.lag, lag + max(self.parallel - 1, 0)))
 
   @property
   def context_len(self) -> int:
@@ -130,9 +153,35 @@ class ModelDrafter(Drafter):
       logits_BxV, cache = run_if(~narrow, lambda c: catch_up(self.lag + 1, c[1]), carry)
     return logits_BxV, cache.rewind(n)  # slot n may hold a stale token; the next step overwrites it
 
+  def _parallel_logits(self, params, cache: kvcache.KVCache, tokens_BxT: jax.Array,
+                       n_B: jax.Array) -> tuple[jax.Array, kvcache.KVCache]:
+    """One forward of the tokens `[d, n)` the cache lacks and K - 1 masks after them: the K draft logits
+    (at slots n-1 .. n+K-2), and the cache holding `[0, n)`."""
+    d, k = cache.lengths, self.parallel
+
+    def forward(width, carry):
+      span = d[:, None] + jnp.arange(width)
+      text = jnp.take_along_axis(tokens_BxT, jnp.minimum(span, tokens_BxT.shape[1] - 1), axis=1)
+      tokens = jnp.where(span < n_B[:, None], text, self.config.mask_id)
+      _, hidden, c = model.forward(params, tokens, span, carry[1], self.config)
+      at = (n_B - 1 - d)[:, None] + jnp.arange(k)
+      return self._logits(params, jnp.take_along_axis(hidden, at[..., None], axis=1)), c
+
+    most, narrower = jnp.max(n_B - d), 0
+    carry = (jnp.zeros((n_B.shape[0], k, self.vocab_size or self.config.vocab_size), jnp.float32), cache)
+    for width in self._parallel_widths:  # exactly one runs: the narrowest that holds every row's tokens
+      carry = run_if((most > narrower) & (most <= width - k + 1), lambda c, w=width: forward(w, c), carry)
+      narrower = width - k + 1
+    logits_BxKxV, cache = carry
+    return logits_BxKxV, cache.rewind(n_B)
+
   def propose(self, weights: DraftWeights, cache: kvcache.KVCache, context: DraftContext,
               keys_KxBx2: jax.Array) -> tuple[kvcache.KVCache, Proposal]:
     params = weights.drafter
+    if self.parallel:
+      logits_BxKxV, cache = self._parallel_logits(params, cache, context.tokens_BxT, context.seq_lens_B)
+      tokens_BxK, logits_BxKxV = draw_path(keys_KxBx2, logits_BxKxV[:, :keys_KxBx2.shape[0]], context)
+      return cache, Proposal(tokens_BxK, logits_BxKxV, jnp.ones(tokens_BxK.shape[:1], bool))
     logits_BxV, cache = self._catch_up(params, cache, context.tokens_BxT, context.seq_lens_B)
 
     def step(cache, token_B):
@@ -283,3 +332,63 @@ class CrossVocabDrafter(ModelDrafter):
     # Keep the drafts the accepted text shares (one slot each); a plain step leaves the cache as it was.
     covered = jnp.minimum(state.covered_B, context.seq_lens_B - 1)
     return SpelledCache(state.cache.rewind(state.cache.lengths - (state.covered_B - covered)), covered)
+
+
+def parallel_inputs(tokens_BxS: jax.Array, mask_id: int, copies: int, key: jax.Array, keep: float = 0.7,
+                    keep_min: float = 0.2) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """PARD's training layout: the text (copy 0) and `copies - 1` copies of mask tokens, copy i at position t
+  standing for the i-th mask after the text's token t - i. Copy i keeps a random max(keep^i, keep_min) of its
+  positions (PARD's conditional drop), each kept position's chain (copy i-1 at t-1, ...) kept too. Returns the
+  inputs [B,Q], their positions [B,Q] and copies [Q] (Q: the kept positions of every copy)."""
+  batch, seq = tokens_BxS.shape
+  counts = [seq] + [max(int(seq * max(keep ** i, keep_min)), 1) for i in range(1, copies)]
+  keys = jax.random.split(key, batch)
+
+  def chains(key):
+    kept, previous = [jnp.arange(seq)], jnp.arange(seq)
+    for i in range(1, copies):
+      key, pick = jax.random.split(key)
+      previous = (jax.random.permutation(pick, previous)[:counts[i]] + 1) % seq  # after a kept chain's end
+      kept.append(previous)
+    return jnp.concatenate(kept)
+
+  positions_BxQ = jax.vmap(chains)(keys)
+  copy_Q = jnp.concatenate([jnp.full((n,), i) for i, n in enumerate(counts)])
+  inputs_BxQ = jnp.where(copy_Q == 0, jnp.take_along_axis(tokens_BxS, positions_BxQ, axis=1), mask_id)
+  return inputs_BxQ, positions_BxQ, copy_Q
+
+
+def parallel_logits(params, config: ModelConfig, tokens_BxS: jax.Array, copies: int, key: jax.Array):
+  """The draft's logits over `parallel_inputs`' layout: query (copy i, position t) sees the text up to t - i and
+  its own chain's masks at t - i + 1 .. t, and predicts token t + 1. Returns (logits [B,Q,V], positions [B,Q],
+  copies [Q])."""
+  inputs_BxQ, pos_BxQ, copy_Q = parallel_inputs(tokens_BxS, config.mask_id, copies, key)
+  qpos, kpos = pos_BxQ[:, :, None], pos_BxQ[:, None, :]
+  qcopy, kcopy = copy_Q[None, :, None], copy_Q[None, None, :]
+  text = (kcopy == 0) & (kpos <= qpos - qcopy)
+  chain = (kcopy >= 1) & (kcopy <= qcopy) & (kpos == qpos - (qcopy - kcopy))
+
+  def attend(i, q, k, v):
+    window = config.window(i)
+    visible = (text | chain) & ((kpos > qpos - window) if window else True)
+    options = model.attention_options(config, i)
+    return masked_attention(q, k, v, visible, options["softcap"], options["scale"])
+
+  x = model.layer_stack(params, model.embed(params, inputs_BxQ, config), pos_BxQ, config, attend)
+  hidden = model.rms_norm(x, params["final_norm"], config)
+  return model.logits_from_hidden(params, hidden, config), pos_BxQ, copy_Q
+
+
+def parallel_loss(params, config: ModelConfig, batch_BxS1: jax.Array, teacher_logits_BxSxV: jax.Array,
+                  copies: int, key: jax.Array, ce_weight: float) -> tuple[jax.Array, jax.Array]:
+  """KL(teacher || draft) + `ce_weight` x cross-entropy over every kept query of `parallel_logits` on the
+  batch's first S tokens that follows at least one text token, each scored on the token after its position
+  (the teacher's logits are over those S tokens); returns (loss, cross-entropy)."""
+  logits_BxQxV, pos_BxQ, copy_Q = parallel_logits(params, config, batch_BxS1[:, :-1], copies, key)
+  valid = (pos_BxQ >= copy_Q[None]).astype(jnp.float32)
+  logq = jax.nn.log_softmax(logits_BxQxV, -1)
+  teacher = jax.nn.log_softmax(jnp.take_along_axis(teacher_logits_BxSxV, pos_BxQ[..., None], axis=1), -1)
+  kl = jnp.sum(jnp.exp(teacher) * (teacher - logq), -1)
+  nll = -jnp.take_along_axis(logq, jnp.take_along_axis(batch_BxS1[:, 1:], pos_BxQ, axis=1)[..., None], -1)[..., 0]
+  mean = lambda x: jnp.sum(x * valid) / jnp.sum(valid)
+  return mean(kl) + ce_weight * mean(nll), mean(nll)

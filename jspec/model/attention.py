@@ -97,3 +97,15 @@ def causal_attention(q_BxSxHxDh: jax.Array, k_BxSxJxDh: jax.Array, v_BxSxJxDh: j
   pos_S = jnp.arange(q_BxSxHxDh.shape[1])
   p = jax.nn.softmax(jnp.where(masking.visible(pos_S[None, :], pos_S[:, None], window), s_BxHxSxS, -jnp.inf), axis=-1)
   return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q_BxSxHxDh.dtype)
+
+
+def masked_attention(q_BxQxHxDh: jax.Array, k_BxKxJxDh: jax.Array, v_BxKxJxDh: jax.Array, visible_BxQxK: jax.Array,
+                     softcap: float | None = None, scale: float | None = None) -> jax.Array:
+  """Attention of Q queries over K keys where `visible_BxQxK` says (every query must see one), as training lays
+  out several drafts side by side (DFlash's blocks, a parallel draft's mask copies)."""
+  group = q_BxQxHxDh.shape[2] // k_BxKxJxDh.shape[2]
+  k, v = jnp.repeat(k_BxKxJxDh, group, axis=2), jnp.repeat(v_BxKxJxDh, group, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q_BxQxHxDh, k, preferred_element_type=jnp.float32)
+  s = masking.scores(s * (q_BxQxHxDh.shape[-1] ** -0.5 if scale is None else scale), softcap)
+  p = jax.nn.softmax(jnp.where(visible_BxQxK[:, None], s, masking.MASKED), axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q_BxQxHxDh.dtype)

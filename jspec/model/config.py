@@ -100,6 +100,9 @@ class ModelConfig:
   final_softcap: float | None = None  # the same on the output logits
   quantization: str | None = None  # the linear layers' stored format (WEIGHT_FORMATS); None: `dtype`
   moe: MoeConfig | None = None  # mixture-of-experts MLPs; None: every layer's MLP is dense
+  # A parallel draft model's mask token (PARD's `pard_token`): it drafts K tokens in one forward from K - 1 of
+  # them after the text (`jspec.drafters.draft_model`); None: one token per forward.
+  mask_id: int | None = None
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:

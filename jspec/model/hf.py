@@ -243,6 +243,8 @@ def save_hf(m: Model, path: str | pathlib.Path) -> None:
         "hidden_act": "silu", "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, **rope,
         "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "bos_token_id": c.bos_id, "eos_token_id": eos, "torch_dtype": "float32"}
+  if c.mask_id is not None:  # a parallel draft model, as PARD writes one
+    hf.update(pard_token=c.mask_id, spd_type="pard")
   (path / "config.json").write_text(json.dumps(hf, indent=2))
   f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
   tensors = {"model.embed_tokens.weight": f32(m.params["embed"]), "model.norm.weight": f32(m.params["final_norm"])}

@@ -187,4 +187,4 @@ def config_from_hf(hf: dict, dtype: str = "float32", generation: dict | None = N
       query_scale=float(hf["query_pre_attn_scalar"]) if gemma else None,
       attn_softcap=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
       final_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None, quantization=quantization,
-      moe=moe)
+      moe=moe, mask_id=pard if isinstance(pard := hf.get("pard_token"), int) and pard >= 0 else None)

@@ -30,10 +30,15 @@ HELDOUT_PERCENT = 2
 PART = 256  # windows continued per saved part
 
 
+# `--kind parallel`: a draft model (the `model` drafter) trained to draft several tokens a forward (PARD)
+PARALLEL = "parallel"
+
+
 def trainable() -> dict[str, type]:
-  """The drafter kinds this command trains (those with a `learning_rate`), by name."""
+  """The drafter kinds this command trains (those with a `learning_rate`) and `parallel`, by name."""
   classes = {kind: registry.drafter_class(kind) for kind in registry.kinds()}
-  return {kind: cls for kind, cls in classes.items() if cls.learning_rate is not None}
+  trained = {kind: cls for kind, cls in classes.items() if cls.learning_rate is not None}
+  return {**trained, PARALLEL: classes["model"]}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
       epilog="example: python -m jspec.train drafter --kind medusa --target code --data notes/ code.jsonl "
              "--out my-medusa")
   p.add_argument("--kind", choices=sorted(kinds), required=True,
-                 help="EAGLE head, Medusa heads, an MTP layer, or a small draft model")
+                 help="EAGLE head, Medusa heads, an MTP layer, a DFlash block drafter, a small draft model, or a "
+                      "parallel draft model (a draft model drafting several tokens a forward: PARD)")
   p.add_argument("--target", required=True, help="the target: a shipped pair's name, a jspec or Hugging Face dir")
   p.add_argument("--data", nargs="+", required=True, metavar="PATH",
                  help=f"text files, JSONL files (a `text` or `prompt` field per line), or directories (their "
@@ -67,12 +73,22 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--num-heads", type=int, default=5, help="Medusa heads")
   p.add_argument("--feature-layers", default="eagle3", metavar="eagle3|last|I,J,K",
                  help="EAGLE: the target layers the head reads: EAGLE-3's low, middle and high (default), the final "
-                      "hidden state alone (EAGLE-1), or these 0-based layers")
+                      "hidden state alone (EAGLE-1), or these 0-based layers; DFlash: these layers, or by default "
+                      "one per draft layer spread as z-lab spreads them")
   p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                  help="EAGLE-3: draft over the N most frequent tokens of the data (as the published EAGLE-3 heads "
                       "do; 0: the whole vocabulary)")
   p.add_argument("--ttt-steps", type=int, default=4,
                  help="EAGLE-3: steps the head is unrolled on its own features in training (training-time test)")
+  p.add_argument("--block-size", type=int, default=8,
+                 help="DFlash: positions of the block drafted at once (drafts up to one fewer token)")
+  p.add_argument("--draft-layers", type=int, default=1, help="DFlash: its decoder layers")
+  p.add_argument("--mask-token", type=int, metavar="ID",
+                 help="DFlash: the token id that fills the block's masked positions (default: the target's EOS); "
+                      "parallel: its mask token (default: the training data's rarest token)")
+  p.add_argument("--parallel-len", type=int, default=8,
+                 help="parallel: tokens it learns to draft a forward (PARD's copies of the text: the text, then "
+                      "N - 1 masks)")
   p.add_argument("--draft-shape", metavar="JSON",
                  help="the draft model's shape, ModelConfig fields (default: a fifth of the target's layers, half "
                       "its width)")
@@ -197,15 +213,31 @@ def draft_shape(config) -> dict:
 
 
 def task_for(args: argparse.Namespace, target, token_counts: np.ndarray | None = None):
+  import dataclasses
+
+  import jspec
   from jspec.train import trainer
 
   tok = target.tokenizer
-  cls = registry.drafter_class(args.kind)
+  cls = trainable()[args.kind]
   if cls.is_draft_model:
-    fields = json.loads(args.draft_shape) if args.draft_shape else draft_shape(target.config)
+    if args.draft_shape:
+      fields = json.loads(args.draft_shape)
+    elif args.warm_start:  # the shape of the draft it starts from
+      fields = {**dataclasses.asdict(jspec.load(args.warm_start).config), "dtype": "float32"}
+    else:
+      fields = draft_shape(target.config)
     fields = {**fields, "vocab_size": target.config.vocab_size, "eos_id": target.config.eos_id,
               "bos_id": target.config.bos_id}
-    return trainer.model_task(fields, tok, teacher=target, ce_weight=0.1)
+    if args.kind != PARALLEL:
+      return trainer.model_task(fields, tok, teacher=target, ce_weight=0.1)
+    # The mask: an unused token, as PARD's are (the data's rarest).
+    mask = args.mask_token if args.mask_token is not None else (
+        int(np.argmin(token_counts)) if token_counts is not None else target.config.vocab_size - 1)
+    if not 0 <= mask < target.config.vocab_size:
+      raise ValueError(f"--mask-token {mask} outside the target's vocabulary of {target.config.vocab_size}")
+    return trainer.model_task({**fields, "mask_id": mask}, tok, teacher=target, ce_weight=0.1,
+                              parallel=args.parallel_len)
   return trainer.heads_task(target, args.kind, heads_options(args), tok, token_counts)
 
 
@@ -213,8 +245,10 @@ def heads_options(args: argparse.Namespace) -> dict:
   """The heads' training options (a training config's `heads`, which the drafter's `for_training` and `loss`
   read) from the flags. Medusa: `--num-heads`. EAGLE: `--feature-layers` eagle3 (the default layers, trained
   on its own predictions for `--ttt-steps`), last (EAGLE-1, with its feature regression), or the layers to
-  fuse; `--draft-vocab`: EAGLE-3's vocabulary (the training data's most frequent tokens; 0: the target's)."""
-  options = {"num_heads": args.num_heads}
+  fuse; `--draft-vocab`: EAGLE-3's vocabulary (the training data's most frequent tokens; 0: the target's).
+  DFlash: `--block-size`, `--draft-layers`, `--mask-token` and the layers it reads."""
+  options = {"num_heads": args.num_heads, "block_size": args.block_size, "draft_layers": args.draft_layers,
+             "mask_token": args.mask_token}
   if args.feature_layers == "last":
     return {**options, "feature_weight": 1.0, "feature_noise": 0.2}
   try:
@@ -265,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
   from jspec.planning import calibration
   from jspec.train import trainer
 
-  cls = registry.drafter_class(args.kind)
+  cls = trainable()[args.kind]
   if args.steps < 1 or args.batch < 1 or args.seq_len < 2 or args.sequences < 0 or args.slots < 1:
     raise ValueError("--steps, --batch, --slots must be >= 1, --seq-len >= 2, --sequences >= 0")
   if not 0.0 <= args.mix < 1.0:
@@ -301,7 +335,7 @@ def run(args: argparse.Namespace) -> dict:
   log = trainer.fit(task, shards, tcfg, workdir / "train", out, place=place)
 
   draft = jspec.load(out)
-  kind = args.kind
+  kind = cls.kind
   if not args.no_calibrate:
     print("measuring its cost model here", flush=True)
     checkpoint.write_cost_models(out, {**checkpoint.read_cost_models(out),

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from jspec import drafters, flags
 from jspec.core import registry
 from jspec.drafters import losses
+from jspec.drafters.draft_model import parallel_loss
 from jspec.formats import checkpoint
 from jspec.formats.loading import load
 from jspec.model import model
@@ -57,18 +58,30 @@ class Task:
   save: Callable[[Any, pathlib.Path], None]
 
 
-def model_task(fields: dict, tok, teacher: model.Model | None = None, ce_weight: float = 1.0) -> Task:
+def model_task(fields: dict, tok, teacher: model.Model | None = None, ce_weight: float = 1.0,
+               parallel: int = 0) -> Task:
   """A language model of the given shape (`ModelConfig` fields) over the tokenizer `tok`; with a `teacher`
-  it is distilled: KL(teacher || student) + `ce_weight` × cross-entropy."""
+  it is distilled: KL(teacher || student) + `ce_weight` × cross-entropy. `parallel` (with a teacher and a
+  `mask_id`): a parallel draft model drafting that many tokens a forward, trained on PARD's layout
+  (`jspec.drafters.draft_model.parallel_loss`)."""
   config = ModelConfig.from_dict({**fields, "vocab_size": fields.get("vocab_size", tok.get_vocab_size()),
                                   "eos_id": fields.get("eos_id", tok.token_to_id(EOS_TOKEN))})
   if teacher is not None and not same_vocab(teacher.tokenizer, tok):
     raise SystemExit("the teacher's tokenizer differs from the data's")
   pair = None if teacher is None else (teacher.params, teacher.config)
+  loss = lambda params, batch: loss_fn(params, batch, config, pair, ce_weight)
+  if parallel:
+    if teacher is None or config.mask_id is None:
+      raise ValueError("a parallel draft model is distilled from a teacher and has a mask token")
+
+    def loss(params, batch):
+      teacher_logits = jax.lax.stop_gradient(model.forward_full(teacher.params, batch[:, :-1], teacher.config)[0])
+      key = jax.random.fold_in(jax.random.PRNGKey(0), jnp.sum(batch))  # the kept positions vary with the batch
+      return parallel_loss(params, config, batch, teacher_logits, parallel, key, ce_weight)
   return Task(
-      description=f"{config.n_layers} layers, width {config.dim}",
+      description=f"{config.n_layers} layers, width {config.dim}" + (f", {parallel} tokens a forward" * bool(parallel)),
       init=lambda key: model.init_params(config, key),
-      loss=lambda params, batch: loss_fn(params, batch, config, pair, ce_weight),
+      loss=loss,
       metric="validation_ce",
       save=lambda params, out: checkpoint.save(model.Model(config, params, tok), out,
                                                storage_dtype="bfloat16"))
