@@ -432,7 +432,7 @@ def rope(x, positions, theta):
   """Neox-style rotary embedding of [B, S, heads, Dh] at positions [S]."""
   half = x.shape[-1] // 2
   angles = positions[:, None].double() * theta ** (-torch.arange(half).double() / half)
-  cos, sin = torch.cat([angles.cos()] * 2, -1).float()[None, :, None], torch.cat([angles.sin()] * 2, -1).float()[None, :, None]
+  cos, sin = (torch.cat([f(angles)] * 2, -1).float()[None, :, None] for f in (torch.cos, torch.sin))
   return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
@@ -461,7 +461,8 @@ def test_dflash_drafter_matches_the_published_forward_and_drafts_exactly(tmp_pat
       "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": d, "intermediate_size": 96,
       "num_hidden_layers": layers, "num_attention_heads": heads_, "num_key_value_heads": kv, "head_dim": dh,
       "rms_norm_eps": 1e-6, "rope_theta": theta, "vocab_size": 264, "max_position_embeddings": 512,
-      "block_size": block, "num_target_layers": 3, "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": mask}}))
+      "block_size": block, "num_target_layers": 3,
+      "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": mask}}))
 
   tokens = torch.tensor([PROMPT])
   n = tokens.shape[1]

@@ -8,5 +8,5 @@ from jspec.drafters.eagle import EagleDrafter
 from jspec.drafters.medusa import MedusaDrafter
 from jspec.drafters.ngram import NgramDrafter
 
-__all__ = ["DFlashDrafter", "DraftContext", "DraftWeights", "Drafter", "EagleDrafter", "Features", "Heads", "MedusaDrafter",
-           "ModelDrafter", "NgramDrafter", "Proposal", "TreeProposal"]
+__all__ = ["DFlashDrafter", "DraftContext", "DraftWeights", "Drafter", "EagleDrafter", "Features", "Heads",
+           "MedusaDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "TreeProposal"]

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from jspec.core.settings import SpecConfig
 from jspec.drafters import dflash_formats
-from jspec.drafters.dflash_formats import default_feature_layers
 from jspec.drafters.base import DraftContext, Drafter, DraftWeights, Features, Proposal, check_heads_fit, draw_path
+from jspec.drafters.dflash_formats import default_feature_layers
 from jspec.model import cache as kvcache
 from jspec.model import model
 from jspec.model.attention import masked_attention
@@ -106,8 +106,8 @@ class DFlashDrafter(Drafter):
       raise ValueError(f"feature layers {list(features)} outside the target's {target_config.n_layers} layers")
     if not 0 <= mask < target_config.vocab_size:
       raise ValueError(f"mask token {mask} outside the target's vocabulary of {target_config.vocab_size}")
-    config = dataclasses.replace(target_config, n_layers=layers, mlp_dim=options.get("mlp_dim") or target_config.mlp_dim,
-                                 sliding_windows=(), moe=None, qk_norm=True, quantization=None)
+    config = dataclasses.replace(target_config, n_layers=layers, sliding_windows=(), moe=None, qk_norm=True,
+                                 mlp_dim=options.get("mlp_dim") or target_config.mlp_dim, quantization=None)
     return cls(config, features, block, mask)
 
   @property
