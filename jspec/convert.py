@@ -26,14 +26,14 @@ from jspec.model.model import Model
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jspec.convert")
   ap.add_argument("src", help="Hugging Face model directory (llama, qwen2 or mistral); with --to-hf, a jspec "
-                  "checkpoint; with --to, jspec heads (EAGLE or Medusa)")
+                  "checkpoint; with --to, jspec heads (EAGLE, Medusa or DFlash)")
   ap.add_argument("out", help="output jspec checkpoint directory; with --to-hf, a Hugging Face directory; with --to, "
                   "the head directory to write")
   ap.add_argument("--to-hf", action="store_true", help="write a Hugging Face Llama directory (float32 safetensors)")
   ap.add_argument("--to", choices=head_formats.formats(),
                   help="write heads in a published format: speculators (vLLM; EAGLE-3), eagle3 (the EAGLE "
                        "repository's, SGLang's), eagle (EAGLE-1 or EAGLE-3 as the EAGLE repository writes them), "
-                       "medusa (vLLM's layout)")
+                       "medusa (vLLM's layout), dflash (z-lab's DFlash layout)")
   ap.add_argument("--target", help="with --to: the target the heads draft for (a shipped pair's name or a directory)")
   ap.add_argument("--verifier", help="with --to: the target's name as the serving system will load it, recorded in "
                   "the head's config (default: --target as given)")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError("--to needs --target: the model the heads draft for")
     heads, target = load(args.src, dtype="float32"), load(shipped.resolve(args.target), dtype="float32")
     if not isinstance(heads, Heads) or not isinstance(target, Model):
-      raise ValueError("--to: SRC must be EAGLE or Medusa heads and --target a model")
+      raise ValueError("--to: SRC must be EAGLE, Medusa or DFlash heads and --target a model")
     # refuses heads that do not fit the target, with both figures
     heads.drafter.for_pair(target, heads, SpecConfig(1, drafter=heads.drafter.kind, adaptive=None))
     head_formats.export(heads, args.to, args.out, target, args.verifier or args.target)

@@ -485,6 +485,17 @@ def test_dflash_drafter_matches_the_published_forward_and_drafts_exactly(tmp_pat
       y = rms(h, p("post_attention_layernorm"))
       h = h + (torch.nn.functional.silu(y @ p("mlp.gate_proj").T) * (y @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
     want = (rms(h, w["norm.weight"]) @ m.lm_head.weight.T)[:, 1:].numpy()
+    try:  # z-lab's own modeling code, where its package (`dflash` on PyPI) is installed
+      from dflash.model import DFlashDraftModel
+    except ImportError:
+      DFlashDraftModel = None
+    if DFlashDraftModel is not None:
+      published = DFlashDraftModel.from_pretrained(draft_dir).float().eval()
+      features = torch.cat([out.hidden_states[i + 1] for i in published.target_layer_ids], -1)[:, :n - 1]
+      block_ids = torch.tensor([[PROMPT[-1]] + [mask] * (block - 1)])
+      hidden = published(position_ids=k_pos[None], noise_embedding=m.model.embed_tokens(block_ids),
+                         target_hidden=features)
+      np.testing.assert_allclose((hidden @ m.lm_head.weight.T)[:, 1:].numpy(), want, atol=1e-5, rtol=1e-5)
 
   target, heads = jspec.load(path), jspec.load(draft_dir)
   assert heads.drafter.kind == "dflash" and heads.drafter.feature_layers == (0, 1) and heads.drafter.block_size == block

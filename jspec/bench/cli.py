@@ -32,8 +32,16 @@ from jspec.bench.prompts import PROMPT_SETS
 from jspec.core import shipped
 
 
+# --draft-lens, --temperatures and --batches when not given (a suite may have its own)
+DRAFT_LENS, TEMPERATURES, BATCHES = "1,2,3,4,5,6,7,8", "0,0.7,1.0", "1,4,8"
+
+
 def _ints(text: str) -> list[int]:
   return [int(x) for x in text.split(",") if x]
+
+
+def _floats(text: str) -> list[float]:
+  return [float(x) for x in text.split(",") if x]
 
 
 def _kinds(args) -> list[str]:
@@ -50,8 +58,9 @@ def _sweep(args, models: parts.Models, out_dir: pathlib.Path) -> dict:
     def save(cells, name=name):
       result["sets"][name] = cells
       _write(out_dir, {"partial": True, **result})
-    result["sets"][name] = sweep.suite_sweep(target, drafts, PROMPT_SETS[name](args.prompts), _ints(args.draft_lens),
-                                             [float(t) for t in args.temperatures.split(",")], _ints(args.batches),
+    result["sets"][name] = sweep.suite_sweep(target, drafts, PROMPT_SETS[name](args.prompts),
+                                             _ints(args.draft_lens or DRAFT_LENS),
+                                             _floats(args.temperatures or TEMPERATURES), _ints(args.batches or BATCHES),
                                              args.max_new_tokens, args.repeats, save)
   if args.with_hf:
     from jspec.bench import hf
@@ -90,11 +99,12 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                                                            else (), _cost_model(a.also_cost_model),
                                                            tuple(_ints(a.also_fixed_lens)))),
     "drafters": ("every drafter with the CLI defaults at each --draft-lens, per prompt set, against plain decoding",
-                 lambda a, m, o: end_to_end.suite_drafters(m, _kinds(a), _ints(a.draft_lens),
+                 lambda a, m, o: end_to_end.suite_drafters(m, _kinds(a), _ints(a.draft_lens or DRAFT_LENS),
                                                            a.prompt_sets.split(","), a.max_new_tokens, a.repeats,
-                                                           a.prompts)),
+                                                           a.prompts, _floats(a.temperatures or "0"),
+                                                           _ints(a.batches or "1"))),
     "cross-vocab": ("drafts with other tokenizers (--compare DIRS) against the pair's draft model, fixed K",
-                    lambda a, m, o: cross_vocab.suite_cross_vocab(m, a.compare.split(","), _ints(a.draft_lens),
+                    lambda a, m, o: cross_vocab.suite_cross_vocab(m, a.compare.split(","), _ints(a.draft_lens or DRAFT_LENS),
                                                                   a.prompt_sets.split(","), a.max_new_tokens,
                                                                   a.repeats, a.prompts)),
     "adaptive": ("adaptive K and fallback against every fixed K",
@@ -105,12 +115,14 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
     "batching": ("continuous batching against static batches",
                  lambda a, m, o: end_to_end.suite_batching(m, _kinds(a)[0], a.max_new_tokens, a.repeats, a.prompts)),
     "tree": ("draft trees against chains (--write: the fastest shape into the checkpoints)",
-             lambda a, m, o: sweep.suite_tree(m, _kinds(a), _ints(a.draft_lens), _ints(a.batches),
+             lambda a, m, o: sweep.suite_tree(m, _kinds(a), _ints(a.draft_lens or DRAFT_LENS),
+                                              _ints(a.batches or BATCHES),
                                               a.max_new_tokens, a.repeats, a.prompts, a.write, a.tree_depth,
                                               tuple(tuple(_ints(s.replace("x", ","))) for s in
                                                     a.tree_shapes.split(",")))),
-    "round": ("where a round's time goes", lambda a, m, o: {"rounds": [parts.suite_round(m, a.repeats, kind)
-                                                                        for kind in _kinds(a)]}),
+    "round": ("where a round's time goes, per drafter and --draft-lens (default 4)",
+              lambda a, m, o: {"rounds": [parts.suite_round(m, a.repeats, kind, k)
+                                          for kind in _kinds(a) for k in _ints(a.draft_lens or "4")]}),
     "prefill": ("prefill time by prompt bucket", lambda a, m, o: parts.suite_prefill(m, a.repeats)),
     "structured": ("constraints: a permissive one's cost, and constrained speculative against constrained plain",
                    lambda a, m, o: structured.suite_structured(m, _kinds(a), a.max_new_tokens, a.repeats,
@@ -163,9 +175,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
   ap.add_argument("--max-new-tokens", type=int, default=64)
-  ap.add_argument("--draft-lens", default="1,2,3,4,5,6,7,8")
-  ap.add_argument("--temperatures", default="0,0.7,1.0")
-  ap.add_argument("--batches", default="1,4,8")
+  ap.add_argument("--draft-lens", help=f"default {DRAFT_LENS} (--suite round: 4)")
+  ap.add_argument("--temperatures", help=f"default {TEMPERATURES} (--suite drafters: 0)")
+  ap.add_argument("--batches", help=f"default {BATCHES} (--suite drafters: 1)")
   ap.add_argument("--drafters", default="model,medusa,eagle,ngram")
   ap.add_argument("--also-draft-lens", default="", help="--suite defaults: also time these longest drafts")
   ap.add_argument("--also-fixed-lens", default="",

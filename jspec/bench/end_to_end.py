@@ -13,7 +13,7 @@ import jspec
 from jspec import testing
 from jspec.bench.parts import Models, shipped_pair
 from jspec.bench.prompts import PROMPT_SETS, heldout_prompts, prose_prompts, varied_heldout_prompts
-from jspec.core import shipped
+from jspec.core import registry, shipped
 from jspec.core.settings import AdaptiveConfig, CostModel, SpecConfig
 from jspec.core.timing import interleaved
 from jspec.decoding import program_cache
@@ -127,39 +127,47 @@ def priced_speedup(stats: jspec.Stats) -> float | None:
 
 
 def suite_drafters(pair: Models, kinds: list[str], draft_lens: list[int], sets: list[str], max_new: int,
-                   repeats: int, count: int) -> dict:
+                   repeats: int, count: int, temperatures: list[float] = (0.0,), batches: list[int] = (1,)) -> dict:
   """Every drafter with the CLI's defaults (adaptive K up to each of `draft_lens`, the checkpoint's cost
-  model), greedy, batch 1, against plain decoding, interleaved per prompt, on each prompt set; every row
-  decodes `max_new` tokens (EOS ignored). Per prompt: speedup, the speedup its cost model prices its rounds
-  at (`priced_speedup`), τ, and the rounds the fallback made plain."""
+  model) against plain decoding, interleaved per batch of prompts, on each prompt set at each temperature and
+  batch; every row decodes `max_new` tokens (EOS ignored). Per batch: speedup, the speedup its cost model
+  prices its rounds at (`priced_speedup`), τ, and the rounds the fallback made plain. A name in `kinds` that
+  is no drafter kind (`parallel`: a parallel draft model) is drafted by the kind its weights say."""
   target = jspec.load(pair.target)
   drafts = {kind: shipped_pair(pair, kind)[1] for kind in kinds}
   most = lambda kind: getattr(getattr(drafts[kind], "drafter", None), "num_heads", max(draft_lens))  # Medusa's heads
-  variants = {f"{kind}_k{k}": dict(draft=drafts[kind], spec=SpecConfig(drafter=kind), draft_len=k)
+  variants = {f"{kind}_k{k}": dict(draft=drafts[kind], spec=SpecConfig(drafter=kind if kind in registry.kinds()
+                                                                        else None), draft_len=k)
               for kind in kinds for k in draft_lens if k <= most(kind)}
   out = {"max_new_tokens": max_new, "sets": {}}
-  for name in sets:
+  cases = [(name, b, t) for name in sets for b in batches for t in temperatures]
+  for name, batch, temperature in cases:
+    prompts = PROMPT_SETS[name](count)
     rows = []
-    for prompt in PROMPT_SETS[name](count):
+    for group in [prompts[i:i + batch] for i in range(0, len(prompts), batch)]:
       last = {}
-      run = lambda v, **kw: last.__setitem__(v, jspec.generate(target, [prompt], max_new_tokens=max_new,
-                                                               ignore_eos=True, **kw))
+      run = lambda v, **kw: last.__setitem__(v, jspec.generate(target, group, max_new_tokens=max_new,
+                                                               ignore_eos=True, temperature=temperature, **kw))
       fns = {"ar": lambda: run("ar"), **{v: lambda v=v, kw=kw: run(v, **kw) for v, kw in variants.items()}}
       t = interleaved(fns, repeats)
       rows.append({v: {"speedup": t["ar"] / t[v], "priced_speedup": priced_speedup(last[v].stats),
                        "tau": last[v].stats.mean_accepted_length,
                        "fallback_rounds": last[v].stats.fallback_rounds, "rounds": last[v].stats.rounds,
-                       "greedy_identical": last[v].token_ids == last["ar"].token_ids} for v in variants})
-      print(json.dumps({"set": name, **{v: [round(r["speedup"], 3), round(r["priced_speedup"], 3), round(r["tau"], 2)]
-                                        for v, r in rows[-1].items()}}), file=sys.stderr)
+                       "greedy_identical": last[v].token_ids == last["ar"].token_ids if not temperature else None}
+                   for v in variants})
+      print(json.dumps({"set": name, "batch": batch, "temperature": temperature,
+                        **{v: [round(r["speedup"], 3), round(r["priced_speedup"], 3), round(r["tau"], 2)]
+                           for v, r in rows[-1].items()}}), file=sys.stderr)
       program_cache.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
-    out["sets"][name] = {v: {"median_speedup": statistics.median(r[v]["speedup"] for r in rows),
+    key = name if (batch, temperature) == (1, 0.0) else f"{name} b={batch} T={temperature:g}"
+    out["sets"][key] = {v: {"median_speedup": statistics.median(r[v]["speedup"] for r in rows),
                              "min_speedup": min(r[v]["speedup"] for r in rows),
                              "max_speedup": max(r[v]["speedup"] for r in rows),
                              "median_priced_speedup": statistics.median(r[v]["priced_speedup"] for r in rows),
                              "median_tau": statistics.median(r[v]["tau"] for r in rows),
-                             "greedy_identical": all(r[v]["greedy_identical"] for r in rows)} for v in variants}
-    out["sets"][name]["rows"] = rows
+                             "greedy_identical": None if temperature else all(r[v]["greedy_identical"] for r in rows)}
+                        for v in variants}
+    out["sets"][key]["rows"] = rows
   return out
 
 

@@ -162,9 +162,10 @@ def suite_round(pair: Models, repeats: int, kind: str = "model", draft_len: int 
   """Where a speculative round's time goes, shipped pair, greedy: the whole round, its parts (the proposal
   of K tokens, the target forward of K+1), and a plain AR step, each 32 times in a jitted loop from the same
   decode state; the rest of the round is its overhead, attributed to the verify's logic and to the proposal
-  run cold (after reading as many floats as the target's weights, as it runs after a target forward)."""
+  run cold (after reading as many floats as the target's weights, as it runs after a target forward). A `kind`
+  that is no drafter kind (`parallel`) is drafted by the kind its weights say."""
   target, draft = shipped_pair(pair, kind)
-  decoder, state = started(target, draft, kind, draft_len, batch, used)
+  decoder, state = started(target, draft, kind if kind in registry.kinds() else None, draft_len, batch, used)
   tparams, config = decoder.target_params, target.config
   keys = jnp.zeros((draft_len, batch, 2), jnp.uint32)
   chunk = jnp.ones((batch, draft_len + 1), jnp.int32)

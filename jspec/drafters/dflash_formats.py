@@ -57,6 +57,9 @@ def read(cls: type, found: Found, tensors: HeadTensors, dtype: str) -> Heads:
   layer_types = set(fields.get("layer_types") or ["full_attention"])
   if layer_types != {"full_attention"} or method.get("use_swa") or method.get("causal") or fields.get("is_causal"):
     raise ValueError("DFlash draft layers with sliding windows or a causal mask: jspec runs full, non-causal ones")
+  for name in ("output_multiplier", "final_logit_softcapping", "attention_sink_bias"):
+    if method.get(name, fields.get(name)) not in (None, 1, 1.0, False):
+      raise ValueError(f"a DFlash config with {name}: a variant jspec does not run")
   mask = method.get("mask_token_id", fields.get("mask_token_id"))
   block = fields.get("block_size", method.get("block_size"))
   if mask is None or block is None:
