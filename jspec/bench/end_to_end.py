@@ -156,14 +156,15 @@ def suite_drafters(pair: Models, kinds: list[str], draft_lens: list[int], sets: 
                        "greedy_identical": last[v].token_ids == last["ar"].token_ids if not temperature else None}
                    for v in variants})
       print(json.dumps({"set": name, "batch": batch, "temperature": temperature,
-                        **{v: [round(r["speedup"], 3), round(r["priced_speedup"], 3), round(r["tau"], 2)]
-                           for v, r in rows[-1].items()}}), file=sys.stderr)
+                        **{v: [round(r["speedup"], 3), r["priced_speedup"] and round(r["priced_speedup"], 3),
+                               round(r["tau"], 2)] for v, r in rows[-1].items()}}), file=sys.stderr)
       program_cache.release_executables()  # a few hundred programs in one process exhaust XLA:CPU's code mappings
     key = name if (batch, temperature) == (1, 0.0) else f"{name} b={batch} T={temperature:g}"
     out["sets"][key] = {v: {"median_speedup": statistics.median(r[v]["speedup"] for r in rows),
                              "min_speedup": min(r[v]["speedup"] for r in rows),
                              "max_speedup": max(r[v]["speedup"] for r in rows),
-                             "median_priced_speedup": statistics.median(r[v]["priced_speedup"] for r in rows),
+                             "median_priced_speedup": statistics.median(priced) if (priced := [
+                                 r[v]["priced_speedup"] for r in rows if r[v]["priced_speedup"] is not None]) else None,
                              "median_tau": statistics.median(r[v]["tau"] for r in rows),
                              "greedy_identical": None if temperature else all(r[v]["greedy_identical"] for r in rows)}
                         for v in variants}
