@@ -101,7 +101,7 @@ def test_kv_pages_share_a_cached_prefix_and_free_what_no_slot_holds():
 
 
 @pytest.mark.parametrize("kind,temperature", [
-    *((k, 0.0) for k in ("plain", "model", "ngram", "eagle", "eagle-tree", "medusa-tree")),
+    *((k, 0.0) for k in ("plain", "model", "ngram", "eagle", "eagle-tree", "medusa-tree", "dflash")),
     ("model", 1.0), ("eagle-tree", 1.0)])
 def test_paged_decoding_gives_the_contiguous_tokens(pair, kind, temperature):
   decoder = _decoder(kind, pair)
@@ -222,7 +222,7 @@ def test_a_constrained_request_resumes_inside_its_constraint(monkeypatch):
 SYSTEM = [(7 * i) % 200 + 3 for i in range(300)]
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle"])  # the target's prefill from a cached prefix in both
+@pytest.mark.parametrize("kind", ["model", "eagle", "dflash"])  # the target's prefill from a cached prefix in each
 def test_a_cached_prefix_gives_the_tokens_of_generate(pair, kind):
   """Later requests share the first request's full prompt pages (ending mid-page: the rest is prefilled) and
   get the tokens `generate` gives them; a drafter's cache shares the pages too (its drafts are `generate`'s),
