@@ -28,6 +28,7 @@ from jspec import testing  # noqa: E402
 from jspec.decoding import programs  # noqa: E402
 from jspec.decoding.batches import make_batch  # noqa: E402
 from jspec.decoding.decoder import make_decoder  # noqa: E402
+from jspec.drafters import DFlashDrafter  # noqa: E402
 from jspec.formats import loading  # noqa: E402
 from jspec.model import hf, model, sharding  # noqa: E402
 from jspec.model.config import MoeConfig  # noqa: E402
@@ -41,6 +42,7 @@ MOE = dataclasses.replace(CONFIG, moe=MoeConfig(experts=8, top_k=2, expert_dim=5
 target = testing.random_model(CONFIG, seed=0, scale=2.0)
 moe_target = testing.random_model(MOE, seed=0, scale=2.0)
 draft = testing.random_model(DRAFT, seed=1, scale=2.0)
+DFLASH = testing.random_heads(DFlashDrafter.for_training(CONFIG, {"draft_layers": 2, "block_size": 5}), seed=2)
 prompts = [[1, 2, 3, 4], [9, 8, 7], [5] * 6, [100, 200, 30, 40, 50], [7], [3, 3], [250, 1], [60, 61, 62]]
 FIXED = testing.fixed_k(3)  # every round verifies on the mesh
 # The same target with an EOS, for constraints (which end the text there); free and constrained rows mixed.
@@ -65,6 +67,10 @@ def runs(mesh):
           # on the mesh with both axes: the experts' columns split over model, the rows over data
           "moe": jspec.generate(moe_target, prompts, draft=draft, spec=FIXED, **kw).token_ids
           if mesh is None or dict(mesh.shape) == {"data": 2, "model": 4} else None,
+          # a DFlash block drafter: its context cache and projection on the mesh with both axes
+          "dflash": jspec.generate(target, prompts, draft=DFLASH, spec=testing.fixed_k(3, drafter="dflash"),
+                                   **kw).token_ids if mesh is None or dict(mesh.shape) == {"data": 2, "model": 4}
+          else None,
           "continuous": continuous(mesh)}
 
 

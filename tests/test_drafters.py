@@ -168,7 +168,7 @@ def test_dflash_drafts_a_block_in_one_forward_and_decodes_losslessly(target):
   heads = testing.random_heads(drafter, seed=3)
   ps = prompts(6, seed=5)
   plain = jspec.generate(target, ps, max_new_tokens=24).token_ids
-  adaptive = SpecConfig(5, drafter="dflash", adaptive=jspec.AdaptiveConfig(probe_interval=2))
+  adaptive = SpecConfig(5, drafter="dflash", adaptive=jspec.AdaptiveConfig(probe_interval=2, draft_lens=(5,)))
   for spec in (testing.fixed_k(5, drafter="dflash"), adaptive):
     r = jspec.generate(target, ps, draft=heads, spec=spec, max_new_tokens=24)
     assert r.token_ids == plain and 0 < r.stats.acceptance_rate < 1
@@ -187,7 +187,7 @@ def test_a_parallel_draft_model_drafts_a_round_in_one_forward_and_decodes_lossle
   draft = parallel_draft(target)
   ps = prompts(6, seed=6)
   plain = jspec.generate(target, ps, max_new_tokens=24).token_ids
-  adaptive = SpecConfig(4, adaptive=jspec.AdaptiveConfig(probe_interval=2))
+  adaptive = SpecConfig(4, adaptive=jspec.AdaptiveConfig(probe_interval=2, draft_lens=(4,)))
   tree = SpecConfig(3, tree=jspec.TreeConfig(2, 6), adaptive=None)
   for spec in (testing.fixed_k(4), adaptive, tree):
     r = jspec.generate(target, ps, draft=draft, spec=spec, max_new_tokens=24)

@@ -101,7 +101,7 @@ def test_kv_pages_share_a_cached_prefix_and_free_what_no_slot_holds():
 
 
 @pytest.mark.parametrize("kind,temperature", [
-    *((k, 0.0) for k in ("plain", "model", "ngram", "eagle", "eagle-tree", "medusa-tree", "dflash")),
+    *((k, 0.0) for k in ("plain", "model", "ngram", "eagle", "eagle-tree", "medusa-tree")),
     ("model", 1.0), ("eagle-tree", 1.0)])
 def test_paged_decoding_gives_the_contiguous_tokens(pair, kind, temperature):
   decoder = _decoder(kind, pair)

@@ -29,6 +29,8 @@ def test_greedy_outputs_on_a_mesh_equal_one_device(eight_devices, mesh):
   for kind in ("ar", "spec", "spec_replicated_draft", "constrained"):
     assert sharded[kind] == single[kind], (mesh, kind)
   assert sharded["moe"] == (single["moe"] if mesh == "data=2,model=4" else None), mesh  # experts split over model
+  assert sharded["dflash"] == (single["ar"] if mesh == "data=2,model=4" else None), mesh
+  assert single["dflash"] == single["ar"]
   assert sharded["kernel"] == (single["spec"] if mesh == "data=2,model=4" else None)
   assert single["spec"] == single["ar"]
   assert sharded["continuous"] == single["continuous"], mesh  # inserts into batch-major and heads-major rows

@@ -31,7 +31,6 @@ from jspec.bench.harness import machine
 from jspec.bench.prompts import PROMPT_SETS
 from jspec.core import shipped
 
-
 # --draft-lens, --temperatures and --batches when not given (a suite may have its own)
 DRAFT_LENS, TEMPERATURES, BATCHES = "1,2,3,4,5,6,7,8", "0,0.7,1.0", "1,4,8"
 
@@ -104,7 +103,8 @@ SUITES: dict[str, tuple[str, Callable[[argparse.Namespace, parts.Models, pathlib
                                                            a.prompts, _floats(a.temperatures or "0"),
                                                            _ints(a.batches or "1"))),
     "cross-vocab": ("drafts with other tokenizers (--compare DIRS) against the pair's draft model, fixed K",
-                    lambda a, m, o: cross_vocab.suite_cross_vocab(m, a.compare.split(","), _ints(a.draft_lens or DRAFT_LENS),
+                    lambda a, m, o: cross_vocab.suite_cross_vocab(m, a.compare.split(","),
+                                                                  _ints(a.draft_lens or DRAFT_LENS),
                                                                   a.prompt_sets.split(","), a.max_new_tokens,
                                                                   a.repeats, a.prompts)),
     "adaptive": ("adaptive K and fallback against every fixed K",

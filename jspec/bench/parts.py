@@ -14,7 +14,7 @@ from jax import lax
 
 import jspec
 from jspec import testing
-from jspec.core import shipped
+from jspec.core import registry, shipped
 from jspec.core.timing import interleaved
 from jspec.decoding import loop
 from jspec.drafters import Proposal

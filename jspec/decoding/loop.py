@@ -222,7 +222,8 @@ def _accept(decoder: Decoder, state: DecodeState, drafts_BxL: jax.Array, n_accep
   candidates_BxL1 = jnp.where(jnp.arange(depth + 1) == n_accepted_B[:, None], token_B[:, None], candidates_BxL1)
   active = ~state.done_B
   state, num_new = _commit(state, candidates_BxL1, n_accepted_B + 1, logits_BxL1xV)
-  stats = state.stats.count_forward(active, num_new).count_verify(active & counted_B, n_accepted_B, depth)
+  stats = state.stats.count_forward(active, num_new).count_verify(active & counted_B, n_accepted_B, depth,
+                                                                  decoder.drafter.forwards(depth))
   state = state.replace(target_cache=target_cache.rewind(state.seq_lens_B - 1), stats=stats)
   return _observe(decoder, state, hidden_BxL1xD, n_B)
 

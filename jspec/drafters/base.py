@@ -123,6 +123,10 @@ class Drafter:
     round); drafters whose state never trails return themselves."""
     return self
 
+  def forwards(self, draft_len: int) -> int:
+    """The draft forwards a round of `draft_len` proposals counts in the statistics (`draft_forwards`)."""
+    return draft_len
+
   @property
   def writes_ahead(self) -> int:
     """Slots past a row's pending token its own cache is written at while it drafts (a block drafted at once)."""

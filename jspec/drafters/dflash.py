@@ -80,6 +80,9 @@ class DFlashDrafter(Drafter):
   def writes_ahead(self) -> int:
     return self.block_size - 1
 
+  def forwards(self, draft_len: int) -> int:
+    return 1
+
   def metadata(self) -> dict:
     return {"feature_layers": list(self.feature_layers), "block_size": self.block_size,
             "mask_token": self.mask_token}

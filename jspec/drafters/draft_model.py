@@ -95,6 +95,9 @@ class ModelDrafter(Drafter):
   def writes_ahead(self) -> int:
     return self._parallel_widths[-1] - 1 if self.parallel else 0
 
+  def forwards(self, draft_len: int) -> int:
+    return 1 if self.parallel else draft_len
+
   @property
   def _parallel_widths(self) -> tuple[int, ...]:
     """A parallel forward's widths: the accepted drafts and the bonus token then K - 1 masks (2K), and the

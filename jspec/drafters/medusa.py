@@ -57,6 +57,9 @@ class MedusaDrafter(Drafter):
   def longest_draft(cls, draft) -> int:
     return draft.drafter.num_heads
 
+  def forwards(self, draft_len: int) -> int:
+    return 1  # every head at once
+
   def tree_shape(self, shape: TreeConfig, depth: int, nodes_asked: bool) -> TreeConfig:
     """A static tree (Medusa's `tree_choices`): the given paths, else the likeliest `nodes` paths."""
     if shape.sampled:

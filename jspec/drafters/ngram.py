@@ -51,6 +51,9 @@ class NgramDrafter(Drafter):
   def for_pair(cls, target, draft: None, spec: SpecConfig) -> NgramDrafter:
     return cls(target.config.vocab_size, spec.max_ngram)
 
+  def forwards(self, draft_len: int) -> int:
+    return 0  # a lookup, no forward
+
   def propose(self, weights: DraftWeights, state: None, context: DraftContext,
               keys_KxBx2: jax.Array) -> tuple[None, Proposal]:
     found, start, _ = lookup(context.tokens_BxT, context.seq_lens_B, self.max_ngram)

@@ -56,12 +56,15 @@ class DecodeStats:
     return self.replace(rounds=self.rounds + active_B.sum(), target_forwards=self.target_forwards + 1,
                         emitted=self.emitted + num_new_B.sum(), row_rounds_B=self.row_rounds_B + active_B)
 
-  def count_verify(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len: int) -> DecodeStats:
-    """A verify of `draft_len` proposals; rows not counted (done, or without a proposal) test nothing."""
+  def count_verify(self, counted_B: jax.Array, n_accepted_B: jax.Array, draft_len: int,
+                   forwards: int | None = None) -> DecodeStats:
+    """A verify of `draft_len` proposals drafted in `forwards` draft forwards (default one each); rows not
+    counted (done, or without a proposal) test nothing."""
     accepted_BxK = counted_B[:, None] & (jnp.arange(draft_len) < n_accepted_B[:, None])
     drafted_B, accepted_B = draft_len * counted_B, jnp.where(counted_B, n_accepted_B, 0)
     return self.replace(
-        draft_forwards=self.draft_forwards + draft_len, drafted=self.drafted + drafted_B.sum(),
+        draft_forwards=self.draft_forwards + (draft_len if forwards is None else forwards),
+        drafted=self.drafted + drafted_B.sum(),
         accepted=self.accepted + accepted_B.sum(), row_drafted_B=self.row_drafted_B + drafted_B,
         verifies=self.verifies + counted_B.sum(), row_verifies_B=self.row_verifies_B + counted_B,
         row_accepted_B=self.row_accepted_B + accepted_B,
